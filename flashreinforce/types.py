@@ -1,0 +1,168 @@
+"""The shared vocabulary: small records that cross layer boundaries.
+
+Nothing here imports torch. Per-token arrays are plain tuples so records pickle, compare and
+serialize (checkpoints, Ray) without surprises. Every per-token array of a record is aligned with
+its token array: index j describes token j.
+
+Glossary, one word per idea:
+  behavior_logprobs  log-prob the sampler assigned to a token, under the distribution it actually
+                     sampled from (after temperature / top-k / top-p); never recomputed.
+  policy_logprobs    the trainer's recomputation under the live weights.
+  loss_mask          1 for a token the policy sampled and we train on; 0 for prompt, hint, tool or
+                     environment text and padding.
+  policy_version     number of optimizer steps taken by the weights that produced a token
+                     (FORCED_VERSION for tokens nobody sampled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+FinishReason = Literal["stop", "length", "abort"]
+"""stop: EOS or a stop string/token; length: token budget or context exhausted; abort: paused or
+cancelled before finishing (the record is then a partial rollout that can be resumed)."""
+
+FORCED_VERSION = -1
+"""policy_version of a token that was not sampled (prompt, hint, observation)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One dataset item in the common RL format."""
+
+    id: str
+    """Stable unique id, e.g. "train/000042"; the exactly-once ledger is keyed by it."""
+    prompt: str | tuple[dict[str, str], ...]
+    """Plain text, or chat messages ({"role": ..., "content": ...}) for a chat template."""
+    ground_truth: str
+    """What the verifier compares against (reward_model.ground_truth)."""
+    data_source: str = "default"
+    """Which task or dataset the item comes from; evaluation reports per data_source."""
+    reference_think: str | None = None
+    """A worked solution's thinking, used by hint-based RL (AHRL)."""
+    modality: str = "text"
+    """Tag that selects per-modality trust-region bands (MISC)."""
+    difficulty: float | None = None
+    """Optional known difficulty (e.g. digit count); benchmarks use it to measure scheduler bias."""
+
+
+class RolloutKey(NamedTuple):
+    """Identity of one scheduled rollout: the ledger's unit of exactly-once accounting."""
+
+    prompt_id: str
+    sample: int
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings of the rollout engine."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    top_p: float = 1.0
+    """1.0 disables nucleus sampling."""
+    seed: int | None = None
+    """Seeds this request's own random stream, so its tokens do not depend on its batch mates."""
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    return_policy_logprobs: bool = False
+    """Also return each sampled token's log-prob under the untruncated, temperature-1 policy."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What the engine hands back for one request: finished, or partial (finish_reason "abort").
+
+    `token_ids` holds everything after the prompt: sampled tokens and forced (environment) tokens.
+    A partial generation can be resumed: the engine continues after its last token and keeps the
+    prefix, its behavior log-probs and its versions exactly.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    behavior_logprobs: tuple[float, ...]
+    """0.0 for forced tokens."""
+    policy_versions: tuple[int, ...]
+    """FORCED_VERSION for forced tokens."""
+    loss_mask: tuple[int, ...]
+    """1 sampled, 0 forced."""
+    finish_reason: FinishReason
+    params: SamplingParams
+    policy_logprobs: tuple[float, ...] | None = None
+    """Untruncated temperature-1 log-probs, when params.return_policy_logprobs."""
+    sampler_state: Any = None
+    """Opaque engine state (e.g. the request's RNG state) that makes a resume continue the exact
+    random stream of an uninterrupted run. Picklable."""
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        lengths = (len(self.behavior_logprobs), len(self.policy_versions), len(self.loss_mask))
+        assert all(m == n for m in lengths), f"misaligned generation {self.request_id}: {n} tokens, arrays {lengths}"
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A verifier's judgement of one trajectory. Failures of user code land here, never as raises."""
+
+    reward: float
+    passed: bool
+    reason: str = "ok"
+    """ok | wrong | no_answer | timeout | crash: <message> | ..."""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One complete trajectory, all turns, as one token row ready to train on."""
+
+    key: RolloutKey
+    prompt: Prompt
+    group: int
+    """Index of the prompt in the fixed data order (= the U-RB data group it belongs to, times B)."""
+    tokens: tuple[int, ...]
+    """prompt + hint + all turns."""
+    loss_mask: tuple[int, ...]
+    behavior_logprobs: tuple[float, ...]
+    policy_versions: tuple[int, ...]
+    prompt_length: int
+    """tokens[:prompt_length] is the prompt (including any hint)."""
+    finish_reason: FinishReason
+    verdict: Verdict
+    hint_length: int = 0
+    """How many of the prompt's tokens are an AHRL hint."""
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        lengths = (len(self.loss_mask), len(self.behavior_logprobs), len(self.policy_versions))
+        assert all(m == n for m in lengths), f"misaligned trajectory {self.key}: {n} tokens, arrays {lengths}"
+        assert 0 < self.prompt_length <= n, f"trajectory {self.key}: prompt_length {self.prompt_length} of {n}"
+
+    @property
+    def reward(self) -> float:
+        return self.verdict.reward
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def oldest_version(self) -> int:
+        """Version of the stalest sampled token (the one that bounds this trajectory's lag)."""
+        versions = [v for v, m in zip(self.policy_versions, self.loss_mask) if m]
+        return min(versions) if versions else FORCED_VERSION
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """Weights for a given policy version: a state_dict locally, an object ref under Ray."""
+
+    version: int
+    ref: Any = field(repr=False)
