@@ -1,0 +1,156 @@
+"""The command line: `flashreinforce train | sft | eval | plot | bench`.
+
+    flashreinforce train                                  # the default CPU recipe
+    flashreinforce train arithmetic_grpo trainer.lr=1e-4  # a shipped recipe (or a .yaml path) + dotted overrides
+    flashreinforce train --dry-run scheduler.kind=urb     # print the resolved config and exit
+    flashreinforce train --resume runs/arithmetic-...     # continue a run from its latest checkpoint
+    flashreinforce eval runs/arithmetic-.../checkpoints/step_000120 --k 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _split_recipe(items: list[str]) -> tuple[str | None, list[str]]:
+    """The first item without '=' is the recipe; the rest are dotted overrides."""
+    recipe = None
+    overrides = []
+    for item in items:
+        if "=" not in item and recipe is None and not overrides:
+            recipe = item
+        elif "=" not in item:
+            raise ValueError(f"{item!r} is neither the recipe (it comes first) nor a dotted.field=value override")
+        else:
+            overrides.append(item)
+    return recipe, overrides
+
+
+def _train(args: argparse.Namespace) -> None:
+    from flashreinforce.cli.train import read_run_config, run_training
+    from flashreinforce.config import RunConfig, _merge, dump_config, format_validation_error, load_config, \
+        parse_override, _set_dotted
+
+    recipe, overrides = _split_recipe(args.items)
+    if args.deterministic:
+        overrides.append("deterministic=true")
+    if args.resume is not None:
+        if recipe is not None:
+            raise ValueError("--resume continues a run with its saved config.yaml; give overrides only, not a recipe")
+        from pydantic import ValidationError
+
+        tree = read_run_config(args.resume)
+        for text in overrides:
+            _set_dotted(tree, *parse_override(text))
+        try:
+            config = RunConfig.model_validate(tree)
+        except ValidationError as error:
+            raise ValueError(format_validation_error(error)) from None
+    else:
+        config = load_config(recipe, overrides)
+    if args.dry_run:
+        print(dump_config(config), end="")
+        return
+    del _merge
+    run_training(config, run_dir=args.resume or args.output, resume=args.resume is not None)
+
+
+def _sft(args: argparse.Namespace) -> None:
+    from flashreinforce.cli.train import sft_only
+    from flashreinforce.config import load_config
+
+    recipe, overrides = _split_recipe(args.items)
+    sft_only(load_config(recipe, overrides), args.output)
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from flashreinforce.cli.evaluate import evaluate_checkpoint
+
+    evaluate_checkpoint(
+        args.checkpoint,
+        data=args.data,
+        recipe=args.recipe,
+        k=args.k,
+        num_prompts=args.num_prompts,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        json_path=args.json,
+    )
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from flashreinforce.metrics.plots import plot_run
+
+    for name, where in plot_run(args.run_dir).items():
+        print(f"{name}: {where}")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    import runpy
+
+    scripts = Path(__file__).resolve().parents[2] / "benchmarks"
+    script = scripts / f"{args.name.replace('-', '_')}.py"
+    if not script.is_file():
+        known = sorted(p.stem.replace("_", "-") for p in scripts.glob("*.py")) if scripts.is_dir() else []
+        raise ValueError(f"no benchmark {args.name!r}" + (f"; available: {', '.join(known)}" if known else
+                         " (benchmarks ship with a source checkout, not the installed package)"))
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashreinforce", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="run RL (the default CPU recipe with no arguments)")
+    train.add_argument("items", nargs="*", metavar="RECIPE|field=value",
+                       help="optional recipe name or .yaml path, then dotted overrides")
+    train.add_argument("--output", type=Path, help="run directory (default runs/<recipe>-<timestamp>)")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--deterministic", action="store_true",
+                       help="lockstep mode: bitwise reproducible, also across kill and resume")
+    train.set_defaults(run=_train)
+
+    sft = commands.add_parser("sft", help="only the supervised warm start (+ held-out eval)")
+    sft.add_argument("items", nargs="*", metavar="RECIPE|field=value")
+    sft.add_argument("--output", type=Path, required=True, help="directory for the warm-start model")
+    sft.set_defaults(run=_sft)
+
+    evaluate = commands.add_parser("eval", help="avg@k and unbiased pass@k of a checkpoint, per data_source")
+    evaluate.add_argument("checkpoint", type=Path, help="a run directory, a checkpoints/step_* directory, "
+                                                        "or a Hugging Face model directory")
+    evaluate.add_argument("--data", type=Path, help="held-out data file (default: the run's own eval split)")
+    evaluate.add_argument("--recipe", help="recipe whose eval split to use when the checkpoint is not in a run")
+    evaluate.add_argument("--k", type=int, default=4)
+    evaluate.add_argument("--num-prompts", type=int, default=None)
+    evaluate.add_argument("--temperature", type=float, default=1.0)
+    evaluate.add_argument("--top-p", type=float, default=1.0)
+    evaluate.add_argument("--max-new-tokens", type=int, default=None)
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--json", type=Path, help="also write the report as JSON")
+    evaluate.set_defaults(run=_eval)
+
+    plot = commands.add_parser("plot", help="(re)draw a run's plots from its metrics.jsonl")
+    plot.add_argument("run_dir", type=Path)
+    plot.set_defaults(run=_plot)
+
+    bench = commands.add_parser("bench", help="run a benchmark from benchmarks/ (loss, engine, schedulers, vs-trl)")
+    bench.add_argument("name")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,108 @@
+"""What the user watches: progress bars on a terminal, plain lines elsewhere (CI logs, redirects)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class TrainingProgress:
+    """Step, reward, held-out accuracy, lag and tokens/s of the RL loop."""
+
+    def __init__(self, console: Console, total: int, completed: int, live: bool) -> None:
+        self.console = console
+        self.total = total
+        self.live = live
+        self._progress = Progress(
+            TextColumn("[bold]RL"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+        )
+        self._task = self._progress.add_task("RL", total=total, completed=completed, info="")
+
+    def __enter__(self) -> TrainingProgress:
+        if self.live:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live:
+            self._progress.stop()
+
+    def update(self, version: int, metrics: dict[str, float], heldout: float | None) -> None:
+        info = (
+            f"reward {metrics.get('reward/mean', float('nan')):.3f}  "
+            f"held-out {heldout if heldout is not None else float('nan'):.1f}%  "
+            f"lag {metrics.get('lag/mean', 0.0):.2f}/{metrics.get('lag/max', 0.0):.0f}  "
+            f"{metrics.get('throughput/tokens_per_second', 0.0):,.0f} tok/s"
+        )
+        self._progress.update(self._task, completed=version, info=info)
+        if not self.live and (version % 10 == 0 or version == self.total):
+            self.console.print(f"step {version}/{self.total}  {info}")
+
+
+class Reporter:
+    def __init__(self, enabled: bool = True, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self.enabled = enabled
+        self.live = enabled and self.console.is_terminal
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text)
+
+    @contextlib.contextmanager
+    def status(self, text: str) -> Iterator[None]:
+        if self.live:
+            with self.console.status(text):
+                yield
+        else:
+            self.note(f"{text} ...")
+            yield
+
+    @contextlib.contextmanager
+    def task(self, description: str, total: int) -> Iterator[Callable[[str], None]]:
+        """A bar for a counted task; yields advance(info) to call once per unit."""
+        progress = Progress(TextColumn(f"[bold]{description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=self.console)
+        task = progress.add_task(description, total=total, info="")
+        if self.live:
+            progress.start()
+        try:
+            yield lambda info: progress.update(task, advance=1, info=info)
+        finally:
+            if self.live:
+                progress.stop()
+
+    def training(self, total: int, completed: int) -> TrainingProgress:
+        return TrainingProgress(self.console, total, completed, live=self.live and self.enabled)
+
+    def summary(self, summary: dict[str, Any], plots: dict[str, str]) -> None:
+        if not self.enabled:
+            return
+        table = Table(title="flashreinforce run summary", show_header=False)
+        gain = summary["final_accuracy"] - summary["initial_accuracy"]
+        k = summary["eval_k"]
+        rows = [
+            ("held-out avg@%d before RL" % k, f"{summary['initial_accuracy']:.1f}%"),
+            ("held-out avg@%d after RL" % k, f"{summary['final_accuracy']:.1f}% ({gain:+.1f} points)"),
+            ("optimizer steps", str(summary["optimizer_steps"])),
+            ("trained trajectories", str(summary["trained_trajectories"])),
+            ("dropped trajectories", ", ".join(f"{k}: {v}" for k, v in summary["dropped_trajectories"].items()) or "0"),
+            ("wall clock", f"{summary['wall_seconds']:.0f} s"),
+            ("run directory", summary["run_dir"]),
+        ]
+        for name, value in rows:
+            table.add_row(name, value)
+        self.console.print(table)
+        skipped = {name: why for name, why in plots.items() if why.startswith("skipped")}
+        for name, why in skipped.items():
+            self.console.print(f"plot {name}: {why}")

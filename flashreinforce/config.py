@@ -1,0 +1,379 @@
+"""The run configuration: a tree of pydantic models, loaded from a YAML recipe plus dotted overrides.
+
+Every field is documented by the string under it (that text is also what `--help-config` prints).
+Errors name the dotted field and say what to do. The resolved config is written into the run directory.
+This module is configuration only: builders elsewhere turn it into flat arguments.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+SINGLE_ROLLOUT_LOSSES = frozenset({"flashreinforce", "reinforce++"})
+"""Losses whose baseline is not a per-prompt group, so group_size=1 is meaningful."""
+DEFAULT_RECIPE = "arithmetic"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class TinyModelConfig(_Section):
+    hidden_size: int = Field(128, ge=8)
+    """Width of the small Qwen2-style transformer built from scratch."""
+    num_layers: int = Field(2, ge=1)
+    """Number of decoder layers."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads (hidden_size must be divisible by it)."""
+    max_position_embeddings: int = Field(128, ge=16)
+    """Context length of the small model, in tokens."""
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        return self
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """Local directory of a Hugging Face causal LM (weights + tokenizer). None builds `tiny` from scratch
+    with the synthetic task's character tokenizer (and warm-starts it with `sft`)."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """Shape of the model built when `path` is None."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute precision, used by the trainer and the local engine alike."""
+
+
+class ArithmeticConfig(_Section):
+    num_train: int = Field(20000, ge=1)
+    """Training problems generated."""
+    num_eval: int = Field(256, ge=1)
+    """Held-out problems generated (disjoint from training)."""
+    digit_weights: list[float] = [0.20, 0.25, 0.25, 0.22, 0.08]
+    """Share of problems with 1, 2, ... columns (digits of the longer operand): a long tail of think lengths."""
+    seed: int = 1234
+    """Seed of the generated problems (independent of the run seed, so runs share data)."""
+
+
+class DataConfig(_Section):
+    kind: Literal["arithmetic", "files"] = "arithmetic"
+    """arithmetic: the built-in synthetic task. files: `train` / `eval` in the common RL format."""
+    train: str | None = None
+    """Training data (.jsonl, .parquet, or a `datasets.save_to_disk` directory) when kind=files."""
+    eval: str | None = None
+    """Held-out data when kind=files."""
+    arithmetic: ArithmeticConfig = ArithmeticConfig()
+    """The synthetic task's settings when kind=arithmetic."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A malformed row stops the run with its file and row number (error) or is skipped and counted."""
+    shuffle_seed: int = 0
+    """Seed of the per-epoch order of training prompts."""
+
+    @model_validator(mode="after")
+    def _files_named(self) -> DataConfig:
+        if self.kind == "files" and (self.train is None or self.eval is None):
+            raise ValueError("kind=files needs both `train` and `eval` paths (data.train=..., data.eval=...)")
+        return self
+
+
+class EnvConfig(_Section):
+    kind: Literal["math", "python_tool", "alfworld"] = "math"
+    """math: single-turn answer checking. python_tool / alfworld: multi-turn agents (GPU recipes)."""
+    max_turns: int = Field(1, ge=1)
+    """Most model turns per episode."""
+
+
+class SFTConfig(_Section):
+    steps: int = Field(400, ge=0)
+    """Supervised warm-start steps before RL (0 skips it); only for a model built from scratch."""
+    batch_size: int = Field(64, ge=1)
+    """Sequences per SFT step."""
+    lr: float = Field(1e-3, gt=0)
+    """SFT learning rate (AdamW, constant)."""
+    carry_drop: float = Field(0.6, ge=0, le=1)
+    """Probability that a worked step of the SFT traces drops its carry, so the warm start is imperfect
+    (about 40% held-out accuracy) and RL has something to fix."""
+
+
+class RolloutConfig(_Section):
+    engine: Literal["local", "vllm"] = "local"
+    """local: the embedded engine (CPU or GPU). vllm: the vLLM adapter (GPU, optional extra)."""
+    max_batch_size: int = Field(128, ge=1)
+    """Engine slots: requests decoded together (continuous batching)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Token budget of a response."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature for training rollouts."""
+    top_k: int = Field(0, ge=0)
+    """Top-k truncation (0 = off)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus truncation (1 = off)."""
+
+
+class SchedulerConfig(_Section):
+    kind: Literal["stream", "sync", "april", "urb"] = "stream"
+    """stream: FlashREINFORCE async; sync: the baseline; april: first-to-finish; urb: unbiased replay buffer."""
+    batch_groups: int = Field(128, ge=1)
+    """Prompt groups per learner batch (with group_size 1: trajectories per optimizer step)."""
+    group_size: int = Field(1, ge=1)
+    """Rollouts per prompt: 1 for flashreinforce, >1 for group methods (grpo, rloo, ...)."""
+    max_staleness: int = Field(1, ge=0)
+    """stream: the most optimizer steps between a token's sampling and its training."""
+    stale_policy: Literal["gate", "drop"] = "gate"
+    """stream: the learner waits for work about to go over-stale (gate, unbiased, nothing dropped), or
+    over-stale work is dropped and its prompt re-queued (drop, favours short rollouts)."""
+    buffer_size: int = Field(2, ge=1)
+    """urb: N, how many data groups may be in the inference pool at once (N=1 is sync)."""
+    over_provision: float = Field(2.0, ge=1)
+    """april: groups kept in flight, as a multiple of batch_groups."""
+
+
+class OverlongConfig(_Section):
+    max_length: int = Field(..., ge=1)
+    """L_max: responses longer than this get reward shaping -1."""
+    cache: int = Field(..., ge=1)
+    """L_cache: the soft penalty ramps over the last `cache` tokens before max_length."""
+
+
+class WPSMConfig(_Section):
+    tau: float
+    """Group accuracy above which responses may be flagged well-learned (strict >)."""
+    eta: float
+    """Mean token entropy below which a response of such a group is flagged (strict <)."""
+    alpha: float = Field(1.0, ge=0, le=1)
+    """Masked fraction of a flagged response's weight (1 masks it completely)."""
+    positive_only: bool = True
+    """Only correct responses can be flagged."""
+
+
+class HintConfig(_Section):
+    p_initial: float = Field(..., ge=0, le=1)
+    """Fraction of the reference think revealed at step 0."""
+    gamma: float = Field(..., ge=0)
+    """Decay rate of the revealed fraction."""
+    k: int = Field(4, ge=1)
+    """pass@k of the warm-start model that drives each prompt's decay."""
+    pass_threshold: float = Field(0.5, ge=0, le=1)
+    """Only prompts whose initial pass@k is at most this are hinted."""
+    pass_floor: float = Field(0.0, ge=0, le=1)
+    """max(pass, floor) in the decay, so prompts the model never solves still anneal (0 = literal)."""
+
+
+class AlgoConfig(_Section):
+    loss: str = "flashreinforce"
+    """Loss by name: flashreinforce, grpo, drgrpo, dapo, gspo, gspo_token, misc, rloo, reinforce++,
+    reinforce++-baseline."""
+    options: dict[str, Any] = {}
+    """Keyword options of the chosen objective (e.g. delta, negative_token_fraction, eps_low, mismatch)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more."""
+    overlong: OverlongConfig | None = None
+    """DAPO overlong reward shaping (None = off)."""
+    wpsm: WPSMConfig | None = None
+    """Well-learned positive sample masking (None = off)."""
+    hints: HintConfig | None = None
+    """Adaptive hint-based RL (None = off)."""
+
+
+class TrainerConfig(_Section):
+    steps: int = Field(120, ge=0)
+    """Optimizer steps of RL (one per learner batch)."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    min_lr_ratio: float = Field(1.0, ge=0, le=1)
+    """Cosine decay ends at lr * min_lr_ratio (1.0 = constant after warmup)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip (math.inf disables it)."""
+    microbatch_size: int = Field(64, ge=1)
+    """Rows per forward/backward; gradients accumulate with global normalization."""
+    checkpoint_every: int = Field(20, ge=0)
+    """Optimizer steps between checkpoints (0 = only at the end)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many recent checkpoints to keep on disk."""
+
+
+class EvalConfig(_Section):
+    num_prompts: int = Field(256, ge=1)
+    """Held-out prompts evaluated."""
+    k: int = Field(4, ge=1)
+    """Samples per prompt: avg@k and unbiased pass@k."""
+    temperature: float = Field(1.0, gt=0)
+    """Evaluation sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Evaluation nucleus truncation."""
+    every: int = Field(0, ge=0)
+    """Optimizer steps between held-out evaluations during training (0 = only before and after)."""
+
+
+class VerifierConfig(_Section):
+    reward_fn: str = "math"
+    """math: the built-in answer checker; or a user function "path/file.py:fn" / "package.module:fn"."""
+    timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock limit per verifier call; a call over it scores 0 with reason "timeout"."""
+    min_workers: int = Field(1, ge=0)
+    """Verifier processes kept alive."""
+    max_workers: int = Field(2, ge=1)
+    """Verifier processes the pool may grow to while CPUs are idle."""
+
+
+class BackendConfig(_Section):
+    kind: Literal["local", "ray"] = "local"
+    """local: one process (asyncio + a generation thread). ray: actors on a Ray cluster."""
+    torch_threads: int = Field(1, ge=1)
+    """Intra-op torch threads of this process. The engine thread and the trainer each run kernels with
+    this many; on a 2-core machine more than 1 oversubscribes the cores and spin-waits (measured ~10x slower)."""
+
+
+class LogConfig(_Section):
+    tensorboard: bool = True
+    """Write TensorBoard event files next to metrics.jsonl."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb extra and a login)."""
+    samples_per_step: int = Field(2, ge=0)
+    """Decoded trajectories written to samples.jsonl per optimizer step."""
+    progress: bool = True
+    """Show the live progress bar."""
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    """Recipe name; the default run directory is runs/<name>-<timestamp>."""
+    seed: int = 0
+    """Seed of model init, sampling and data order."""
+    deterministic: bool = False
+    """Step generation, verification and training in lockstep so a run (and a killed-and-resumed run)
+    is bitwise reproducible; slower than the overlapped default."""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    env: EnvConfig = EnvConfig()
+    sft: SFTConfig = SFTConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    algo: AlgoConfig = AlgoConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
+    verifier: VerifierConfig = VerifierConfig()
+    backend: BackendConfig = BackendConfig()
+    log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.model.path is None and self.data.kind != "arithmetic":
+            raise ValueError("model.path is required with data.kind=files (the built-in tiny model only knows the "
+                             "arithmetic task's tokenizer)")
+        # With one rollout per prompt a group baseline makes every advantage exactly zero: refuse it loudly.
+        if self.algo.loss not in SINGLE_ROLLOUT_LOSSES and self.scheduler.group_size == 1:
+            raise ValueError(f"algo.loss={self.algo.loss} compares rollouts of the same prompt: set "
+                             f"scheduler.group_size >= 2 (or use one of {sorted(SINGLE_ROLLOUT_LOSSES)})")
+        return self
+
+
+def resolve_recipe(recipe: str | None) -> Path:
+    """A recipe name from flashreinforce/recipes, or a path to a YAML file."""
+    if recipe is None:
+        recipe = DEFAULT_RECIPE
+    path = Path(recipe)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ValueError(f"recipe file {path} does not exist")
+        return path
+    path = RECIPES_DIR / f"{recipe}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+        raise ValueError(f"unknown recipe {recipe!r}; shipped recipes: {known} (or pass a path to a .yaml file)")
+    return path
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """"trainer.lr=1e-5" -> (["trainer", "lr"], 1e-05). Values are YAML scalars/flow collections."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} is not of the form dotted.field=value")
+    dotted, raw = text.split("=", 1)
+    keys = dotted.strip().split(".")
+    if not all(keys):
+        raise ValueError(f"override {text!r} has an empty field name")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        raise ValueError(f"override {text!r}: value is not valid YAML ({error})") from None
+    if isinstance(value, str) and value.lower() in ("inf", "+inf", "-inf", "1e9999"):
+        value = float(value)  # YAML spells infinity ".inf"; accept the way people type it too
+    return keys, value
+
+
+def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = tree
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ValueError(f"override {'.'.join(keys)}: {key} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling; `flashreinforce train --dry-run` shows every field)"
+        lines.append(f"  {field}: {message}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_recipe(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe's YAML tree, with `inherit: <recipe>` resolved (the child's values win, sections merge)."""
+    if path in _seen:
+        raise ValueError(f"recipe {path} inherits from itself (via {' -> '.join(map(str, _seen))})")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"recipe {path} is not valid YAML: {error}") from None
+    if not isinstance(tree, dict):
+        raise ValueError(f"recipe {path} must be a mapping of sections, got {type(tree).__name__}")
+    parent = tree.pop("inherit", None)
+    if parent is None:
+        return tree
+    return _merge(read_recipe(resolve_recipe(str(parent)), (*_seen, path)), tree)
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Recipe YAML + dotted overrides -> a validated RunConfig, or ValueError naming the field."""
+    tree = read_recipe(resolve_recipe(recipe))
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_dotted(tree, keys, value)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as error:
+        raise ValueError(format_validation_error(error)) from None
+
+
+def dump_config(config: RunConfig) -> str:
+    data = config.model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False)

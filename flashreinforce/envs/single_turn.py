@@ -1,0 +1,69 @@
+"""Single-turn text episodes: the tokenization boundary between prompts, the engine and the trainer.
+
+A prompt is rendered to token ids once (plain text, or chat messages through the tokenizer's chat
+template); the engine's Generation is appended to it to form one Trajectory row. Nothing here is
+retokenized after sampling: the trained tokens are exactly the sampled ones (a common multi-turn bug).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from flashreinforce.types import FORCED_VERSION, Generation, Prompt, RolloutKey, Trajectory, Verdict
+
+
+class TextEpisodes:
+    """Renders prompts and completions with one tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._drop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
+
+    def prompt_ids(self, prompt: Prompt, hint_ids: Sequence[int] = ()) -> list[int]:
+        """Token ids of the prompt, followed by AHRL hint tokens if any."""
+        if isinstance(prompt.prompt, str):
+            ids = self.tokenizer.encode(prompt.prompt, add_special_tokens=False)
+        else:
+            if not self.tokenizer.chat_template:
+                raise ValueError(f"prompt {prompt.id} is chat messages but the tokenizer has no chat template; "
+                                 "give the tokenizer one (tokenizer.chat_template) or use plain-text prompts")
+            ids = self.tokenizer.apply_chat_template(list(prompt.prompt), add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+                ids = ids["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {prompt.id} renders to zero tokens")
+        return [*ids, *hint_ids]
+
+    def completion_text(self, generation: Generation) -> str:
+        """What the verifier reads: the response without EOS / padding tokens."""
+        ids = [t for t in generation.token_ids if t not in self._drop_ids]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def to_trajectory(
+    key: RolloutKey,
+    prompt: Prompt,
+    group: int,
+    generation: Generation,
+    verdict: Verdict,
+    hint_length: int = 0,
+) -> Trajectory:
+    """Prompt ids + generation -> one aligned row (prompt positions: mask 0, logprob 0, FORCED_VERSION)."""
+    prompt_length = len(generation.prompt_ids)
+    return Trajectory(
+        key=key,
+        prompt=prompt,
+        group=group,
+        tokens=(*generation.prompt_ids, *generation.token_ids),
+        loss_mask=(0,) * prompt_length + tuple(generation.loss_mask),
+        behavior_logprobs=(0.0,) * prompt_length + tuple(generation.behavior_logprobs),
+        policy_versions=(FORCED_VERSION,) * prompt_length + tuple(generation.policy_versions),
+        prompt_length=prompt_length,
+        finish_reason=generation.finish_reason,
+        verdict=verdict,
+        hint_length=hint_length,
+    )

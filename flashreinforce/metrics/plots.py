@@ -1,0 +1,83 @@
+"""Plots of a run, drawn from metrics.jsonl alone: no torch, no live run needed.
+
+`plot_run(run_dir)` writes plots/{reward,heldout_accuracy,entropy,acceptance_rate,lag_histogram,
+tokens_per_second}.png (a plot whose metric a run never logged is skipped and named in the return value).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from flashreinforce.metrics.sink import read_metrics  # noqa: E402
+
+LINE_PLOTS = {
+    "reward": (["reward/mean", "reward/accuracy"], "training reward"),
+    "heldout_accuracy": (["eval/avg@k"], "held-out accuracy (avg@k, %)"),
+    "entropy": (["entropy/mean"], "mean token entropy (nats)"),
+    "acceptance_rate": (["loss/acceptance_rate"], "trust-region acceptance rate"),
+    "tokens_per_second": (["throughput/tokens_per_second"], "generated tokens / s"),
+}
+
+
+def _series(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
+    points = [(row["step"], row[name]) for row in rows if row.get(name) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_run(run_dir: Path) -> dict[str, str]:
+    """Draw every plot the run's metrics allow; returns {plot name: path or reason it was skipped}."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    out = run_dir / "plots"
+    out.mkdir(exist_ok=True)
+    result = {}
+    for plot_name, (names, title) in LINE_PLOTS.items():
+        series = {name: _series(rows, name) for name in names}
+        if not any(xs for xs, _ in series.values()):
+            result[plot_name] = f"skipped: no {' or '.join(names)} in metrics.jsonl"
+            continue
+        figure, axis = plt.subplots(figsize=(6, 3.5))
+        for name, (xs, ys) in series.items():
+            if xs:
+                axis.plot(xs, ys, marker="." if len(xs) < 30 else None, label=name)
+        axis.set_title(title)
+        axis.set_xlabel("optimizer step")
+        axis.grid(alpha=0.3)
+        axis.legend()
+        figure.tight_layout()
+        path = out / f"{plot_name}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        result[plot_name] = str(path)
+    result["lag_histogram"] = _lag_histogram(rows, out / "lag_histogram.png")
+    return result
+
+
+def _lag_histogram(rows: list[dict], path: Path) -> str:
+    """Trained tokens by policy lag (optimizer steps between sampling and training), summed over the run."""
+    counts: dict[int, float] = {}
+    prefix = "lag/tokens_at_"
+    for row in rows:
+        for name, value in row.items():
+            if name.startswith(prefix) and value:
+                lag = int(name[len(prefix):])
+                counts[lag] = counts.get(lag, 0.0) + value
+    if not counts:
+        return "skipped: no lag/tokens_at_* in metrics.jsonl"
+    lags = sorted(counts)
+    total = sum(counts.values())
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    axis.bar(lags, [counts[lag] / total for lag in lags])
+    axis.set_xticks(lags)
+    axis.set_title("policy lag of trained tokens")
+    axis.set_xlabel("lag (optimizer steps)")
+    axis.set_ylabel("fraction of tokens")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return str(path)

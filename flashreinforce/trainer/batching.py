@@ -1,0 +1,96 @@
+"""Trajectories -> padded tensors. The only place a TrainBatch is built.
+
+Worked example (pad id 0, two trajectories, prompt lengths 2 and 1):
+    tokens      [5, 6, 7, 8]      [9, 4]
+    loss_mask   [0, 0, 1, 1]      [0, 1]
+  ->
+    input_ids      [[5, 6, 7, 8], [9, 4, 0, 0]]
+    attention_mask [[1, 1, 1, 1], [1, 1, 0, 0]]
+    loss_mask      [[0, 0, 1, 1], [0, 1, 0, 0]]
+Every per-token tensor stays aligned with input_ids: column j describes token j.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from flashreinforce.types import FORCED_VERSION, Trajectory
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    input_ids: torch.Tensor  # (B, T) long, right padded
+    attention_mask: torch.Tensor  # (B, T) bool
+    loss_mask: torch.Tensor  # (B, T) bool
+    behavior_logprobs: torch.Tensor  # (B, T) float32, 0 off the loss mask
+    policy_versions: torch.Tensor  # (B, T) long, FORCED_VERSION off the loss mask
+    rewards: torch.Tensor  # (B,) float32
+    group_ids: torch.Tensor  # (B,) long: rows of the same prompt share an id
+    failures: torch.Tensor  # (B,) bool: the verifier did not pass the row
+    modalities: tuple[str, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, start: int, stop: int) -> TrainBatch:
+        """Rows [start, stop), trimmed of padding columns that are padding in every kept row."""
+        width = int(self.attention_mask[start:stop].sum(dim=1).max())
+        sliced = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value[start:stop]
+                if value.dim() == 2:
+                    value = value[:, :width]
+            else:
+                value = value[start:stop]
+            sliced[f.name] = value
+        return TrainBatch(**sliced)
+
+    def microbatches(self, size: int) -> Iterator[tuple[int, TrainBatch]]:
+        """(first row index, slice) of at most `size` rows each."""
+        for start in range(0, self.num_rows, size):
+            yield start, self.rows(start, min(start + size, self.num_rows))
+
+
+def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch:
+    """Pad trajectories into one batch. Raises ValueError for a row with no policy tokens."""
+    if not trajectories:
+        raise ValueError("cannot build a training batch from zero trajectories")
+    width = max(len(t.tokens) for t in trajectories)
+    rows = len(trajectories)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.bool)
+    loss_mask = torch.zeros((rows, width), dtype=torch.bool)
+    behavior = torch.zeros((rows, width), dtype=torch.float32)
+    versions = torch.full((rows, width), FORCED_VERSION, dtype=torch.long)
+    group_index: dict[int, int] = {}
+    group_ids = []
+    for row, trajectory in enumerate(trajectories):
+        if trajectory.num_policy_tokens == 0:
+            raise ValueError(f"trajectory {trajectory.key} has no sampled tokens to train on "
+                             "(empty response); the scheduler should not hand it to the trainer")
+        n = len(trajectory.tokens)
+        input_ids[row, :n] = torch.tensor(trajectory.tokens)
+        attention_mask[row, :n] = True
+        loss_mask[row, :n] = torch.tensor(trajectory.loss_mask, dtype=torch.bool)
+        behavior[row, :n] = torch.tensor(trajectory.behavior_logprobs, dtype=torch.float32)
+        versions[row, :n] = torch.tensor(trajectory.policy_versions)
+        group_ids.append(group_index.setdefault(trajectory.group, len(group_index)))
+    behavior = behavior.masked_fill(~loss_mask, 0.0)
+    versions = versions.masked_fill(~loss_mask, FORCED_VERSION)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        behavior_logprobs=behavior,
+        policy_versions=versions,
+        rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        group_ids=torch.tensor(group_ids, dtype=torch.long),
+        failures=torch.tensor([not t.verdict.passed for t in trajectories], dtype=torch.bool),
+        modalities=tuple(t.prompt.modality for t in trajectories),
+    )

@@ -1,0 +1,46 @@
+"""AdamW with linear warmup then cosine decay to a floor. The schedule is a pure function of the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based).
+
+    Linear warmup over `warmup_steps` (step 0 already takes a non-zero lr: 1/warmup), then cosine from 1
+    down to `min_lr_ratio` at `total_steps`; constant at the floor after that.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(total_steps - warmup_steps, 1)
+    progress = min((step - warmup_steps) / decay_steps, 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    # Decay matrices only: biases and norm gains are not regularized (the usual LM practice).
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=betas,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(step, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio),
+    )
+    return optimizer, schedule

@@ -1,0 +1,56 @@
+"""Supervised warm start: token-level cross-entropy on completions, prompts masked out.
+
+It uses the same `token_logprobs` as RL training, so the SFT model and the RL policy are the same function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from flashreinforce.models.logprobs import token_logprobs
+
+
+def sft_warm_start(
+    model: torch.nn.Module,
+    examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    pad_token_id: int,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train on (prompt_ids, completion_ids) pairs; returns the loss of each step.
+
+    Batches are drawn with replacement from a seeded generator, so the warm start is reproducible.
+    """
+    if not examples:
+        raise ValueError("SFT needs at least one example")
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for step in range(steps):
+        picks = torch.randint(len(examples), (batch_size,), generator=generator).tolist()
+        rows = [(list(examples[i][0]), list(examples[i][1])) for i in picks]
+        width = max(len(p) + len(c) for p, c in rows)
+        input_ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)  # (B, T)
+        attention_mask = torch.zeros((batch_size, width), dtype=torch.bool)
+        target_mask = torch.zeros((batch_size, width), dtype=torch.bool)
+        for row, (prompt, completion) in enumerate(rows):
+            n = len(prompt) + len(completion)
+            input_ids[row, :n] = torch.tensor(prompt + completion)
+            attention_mask[row, :n] = True
+            target_mask[row, len(prompt):n] = True
+        logprobs, _ = token_logprobs(model, input_ids, attention_mask, with_entropy=False)
+        loss = -(logprobs * target_mask).sum() / target_mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses

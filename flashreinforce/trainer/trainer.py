@@ -1,0 +1,227 @@
+"""Trainer.step: one learner batch -> one optimizer step, with global normalization across microbatches.
+
+The loss is chosen by name from `algorithms.LOSSES`. Advantages, the reward mean, B and the token count
+are computed on the whole batch BEFORE it is split into microbatches (DESIGN invariant 4), so the summed
+microbatch gradients equal the full-batch gradient. With one optimizer step per batch, pi_old is the
+policy at the start of the step: the first (and only) forward gives it, detached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashreinforce.algorithms import LOSSES, GlobalNorm, LossInputs
+from flashreinforce.algorithms.dapo import overlong_penalty
+from flashreinforce.algorithms.wpsm import mean_token_entropy, wpsm_flags, wpsm_weights
+from flashreinforce.models.logprobs import token_logprobs
+from flashreinforce.trainer.batching import TrainBatch, collate
+from flashreinforce.trainer.optim import build_optimizer
+from flashreinforce.types import Trajectory
+
+
+@dataclass(frozen=True)
+class OverlongShaping:
+    max_length: int
+    cache: int
+
+
+@dataclass(frozen=True)
+class WPSMSettings:
+    tau: float
+    eta: float
+    alpha: float
+    positive_only: bool
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+    grad_clip: float
+
+
+class Trainer:
+    """Owns the training model, its optimizer and the policy version (optimizer steps taken)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        loss: str,
+        loss_options: Mapping[str, Any],
+        optimizer: OptimizerSettings,
+        microbatch_size: int,
+        pad_token_id: int,
+        temperature: float,
+        max_new_tokens: int,
+        overlong: OverlongShaping | None = None,
+        wpsm: WPSMSettings | None = None,
+    ) -> None:
+        if loss not in LOSSES:
+            raise ValueError(f"algo.loss={loss!r} is not a known loss; choose one of {sorted(LOSSES)}")
+        self.model = model
+        self.spec = LOSSES[loss]
+        unknown = set(loss_options) - set(self.spec.defaults)
+        if unknown:
+            raise ValueError(f"algo.options has unknown option(s) {sorted(unknown)} for loss {loss!r}; "
+                             f"it accepts {sorted(self.spec.defaults)}")
+        self.loss_options = {**self.spec.defaults, **loss_options}
+        self.optimizer, self.schedule = build_optimizer(
+            model,
+            lr=optimizer.lr,
+            weight_decay=optimizer.weight_decay,
+            betas=optimizer.betas,
+            warmup_steps=optimizer.warmup_steps,
+            total_steps=optimizer.total_steps,
+            min_lr_ratio=optimizer.min_lr_ratio,
+        )
+        self.grad_clip = optimizer.grad_clip
+        self.microbatch_size = microbatch_size
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        self.overlong = overlong
+        self.wpsm = wpsm
+        self.version = 0
+
+    def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """Train on one learner batch; returns flat metrics. Increments `version`."""
+        batch = collate(trajectories, self.pad_token_id)
+        rewards = batch.rewards
+        response_lengths = batch.loss_mask.sum(dim=1)  # (B,)
+        if self.overlong is not None:
+            rewards = rewards + overlong_penalty(
+                response_lengths, max_length=self.overlong.max_length, cache_length=self.overlong.cache
+            )
+        advantages = self.spec.advantages(rewards, batch.group_ids)  # (B,) over the whole batch
+        norm = GlobalNorm(
+            num_sequences=batch.num_rows,
+            num_tokens=int(batch.loss_mask.sum()),
+            reward_mean=float(rewards.mean()),
+            max_new_tokens=self.max_new_tokens,
+        )
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        collected: dict[str, list[torch.Tensor]] = {}
+        token_sums = {"entropy": 0.0, "abs_mismatch": 0.0, "k3_mismatch": 0.0}
+        total_loss = 0.0
+        wpsm_flagged = 0
+        group_accuracy = _group_accuracy(batch) if self.wpsm is not None else None
+        for start, micro in batch.microbatches(self.microbatch_size):
+            rows = slice(start, start + micro.num_rows)
+            logprobs, entropies = token_logprobs(
+                self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature, with_entropy=True
+            )
+            entropies = entropies.detach()
+            weights = None
+            if self.wpsm is not None:
+                flags = wpsm_flags(
+                    mean_token_entropy(entropies, micro.loss_mask),
+                    group_accuracy[rows],
+                    advantages[rows],
+                    entropy_bound=self.wpsm.eta,
+                    accuracy_threshold=self.wpsm.tau,
+                    positive_only=self.wpsm.positive_only,
+                )
+                weights = wpsm_weights(flags, self.wpsm.alpha)
+                wpsm_flagged += int(flags.sum())
+            inputs = LossInputs(
+                policy_logprobs=logprobs,
+                old_logprobs=logprobs.detach(),
+                behavior_logprobs=micro.behavior_logprobs,
+                loss_mask=micro.loss_mask,
+                advantages=advantages[rows],
+                rewards=rewards[rows],
+                entropies=entropies,
+                failures=micro.failures,
+                modalities=micro.modalities,
+                sequence_weights=weights,
+            )
+            loss, stats = self.spec.objective(inputs, norm, **self.loss_options)
+            loss.backward()
+            total_loss += float(loss.detach())
+            for name, value in stats.items():
+                collected.setdefault(name, []).append(value.detach().float().reshape(-1))
+            mask = micro.loss_mask
+            gap = (logprobs.detach() - micro.behavior_logprobs).masked_fill(~mask, 0.0)
+            token_sums["entropy"] += float(entropies.masked_fill(~mask, 0.0).sum())
+            token_sums["abs_mismatch"] += float(gap.abs().sum())
+            # k3 estimator of KL(behavior || policy) per token: exp(d) - d - 1 with d = log pi - log mu
+            token_sums["k3_mismatch"] += float((torch.expm1(gap) - gap).sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at step {self.version}; "
+                                     "lower trainer.lr or check the rewards")
+        lr = self.schedule.get_last_lr()[0]
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        tokens = max(norm.num_tokens, 1)
+        metrics = {
+            "loss/policy": total_loss,
+            "optim/grad_norm": float(grad_norm),
+            "optim/lr": lr,
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/shaped_mean": float(rewards.mean()),
+            "reward/accuracy": float((~batch.failures).float().mean()),
+            "advantage/mean": float(advantages.mean()),
+            "advantage/abs_mean": float(advantages.abs().mean()),
+            "advantage/zero_fraction": float((advantages == 0).float().mean()),
+            "entropy/mean": token_sums["entropy"] / tokens,
+            "mismatch/abs_logprob_diff": token_sums["abs_mismatch"] / tokens,
+            "mismatch/k3_kl": token_sums["k3_mismatch"] / tokens,
+            "response/length_mean": float(response_lengths.float().mean()),
+            "response/length_max": float(response_lengths.max()),
+            "response/truncated_fraction": sum(t.finish_reason == "length" for t in trajectories) / len(trajectories),
+            "batch/rows": float(batch.num_rows),
+            "batch/policy_tokens": float(norm.num_tokens),
+        }
+        if self.wpsm is not None:
+            metrics["wpsm/flagged_fraction"] = wpsm_flagged / batch.num_rows
+        metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
+        for name, chunks in collected.items():
+            metrics[f"loss/{name}"] = float(torch.cat(chunks).float().mean())
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.version = int(state["version"])
+
+
+def _group_accuracy(batch: TrainBatch) -> torch.Tensor:
+    """(B,) accuracy of each row's whole group, over the full batch (not just the microbatch)."""
+    passed = (~batch.failures).float()
+    groups = batch.group_ids
+    sums = torch.zeros(int(groups.max()) + 1).index_add_(0, groups, passed)
+    counts = torch.zeros_like(sums).index_add_(0, groups, torch.ones_like(passed))
+    return (sums / counts)[groups]
+
+
+def _lag_metrics(batch: TrainBatch, trained_at: int) -> dict[str, float]:
+    """Per-token policy lag (trained_at - version of the token) over the batch's policy tokens."""
+    lag = (trained_at - batch.policy_versions)[batch.loss_mask]
+    if lag.numel() == 0:
+        return {}
+    metrics = {"lag/mean": float(lag.float().mean()), "lag/max": float(lag.max())}
+    counts = torch.bincount(lag.clamp(min=0))
+    for value, count in enumerate(counts.tolist()):
+        if count:
+            metrics[f"lag/tokens_at_{value}"] = float(count)
+    return metrics

@@ -1,0 +1,135 @@
+r"""Math answer checking, pure: find the final answer in a completion, compare it with the truth.
+
+extract_answer reads only what follows the last `</think>` (the think is scratch work) and gives up
+on a think that never closes. In that text it takes, in order: the last \boxed{...}, the phrase
+"the answer is X" / "answer: X", the text itself when it is a bare answer, else the last number.
+answers_equal compares normalized strings, then numbers (ints, decimals, fractions, percents,
+thousands commas; exact rational arithmetic), then expressions with sympy (verifiers/symbolic.py).
+Nothing here runs user code or bounds time: verifiers/pool.py runs these calls under a timeout.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+from flashreinforce.data.arithmetic import THINK_CLOSE, THINK_OPEN
+from flashreinforce.types import Verdict
+from flashreinforce.verifiers.symbolic import symbolic_equal
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANSWER_IS = re.compile(r"answer\s*(?:is\s*:?|:)\s*", re.IGNORECASE)
+# A number: a minus sign unless it is a subtraction (3-5), thousands commas, decimals, a /denominator
+# and a percent sign. "1,2,3" is three numbers; "1,234" is one.
+_NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:/\d+)?%?")
+# Words of prose ("apples", "so") make a span more than an answer; LaTeX commands (\frac) and these
+# function names do not.
+_WORD = re.compile(r"(?<![\\\w])[A-Za-z]{2,}")
+_MATH_WORDS = frozenset({"sqrt", "pi", "sin", "cos", "tan", "log", "ln", "exp", "oo", "inf", "infty"})
+_LATEX_NOISE = re.compile(r"\\left|\\right|\\[,;:! ]|\\displaystyle|\^\s*\{?\\circ\}?|°")
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
+_LATEX_FRAC = re.compile(r"([-+]?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    r"""The final answer in a completion, or None.
+
+    >>> extract_answer("<think>7+5+0=12;0+4+1=5;</think>52")
+    '52'
+    >>> extract_answer(r"so x = \boxed{\frac{1}{2}}.")
+    '\\frac{1}{2}'
+    """
+    text = text.replace("\u2212", "-")  # unicode minus
+    closed = text.rfind(THINK_CLOSE)
+    if closed >= 0:
+        text = text[closed + len(THINK_CLOSE):]
+    elif THINK_OPEN in text:
+        return None  # the model never finished thinking: numbers in the think are not its answer
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip() or None
+    said = list(_ANSWER_IS.finditer(text))
+    if said:
+        line = text[said[-1].end():].split("\n", 1)[0]
+        return _answer_in(re.split(r"\.(?:\s|$)", line, maxsplit=1)[0])
+    if closed >= 0:
+        return _answer_in(text)
+    return _last_number(text)
+
+
+def answers_equal(pred: str, truth: str) -> bool:
+    """Whether a predicted answer means the ground truth: "1/2" == "0.5" == r"\\frac{1}{2}", "50%" == "50"."""
+    a, b = _normalize(pred), _normalize(truth)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    x, y = parse_number(a), parse_number(b)
+    if x is not None and y is not None:
+        (u, u_percent), (v, v_percent) = x, y
+        # A percent matches its number either way: "50%" is 50 and 0.5.
+        return u == v or (u_percent and u / 100 == v) or (v_percent and v / 100 == u)
+    return symbolic_equal(a, b)
+
+
+def math_reward(completion: str, ground_truth: str) -> Verdict:
+    """1 with reason "ok" when the extracted answer equals the truth; 0 with "wrong" or "no_answer"."""
+    answer = extract_answer(completion)
+    if answer is None:
+        return Verdict(reward=0.0, passed=False, reason="no_answer")
+    if answers_equal(answer, ground_truth):
+        return Verdict(reward=1.0, passed=True, reason="ok")
+    return Verdict(reward=0.0, passed=False, reason="wrong")
+
+
+def parse_number(text: str) -> tuple[Fraction, bool] | None:
+    r"""(exact value, written as a percent) of a plain number, or None: "-1,234.5", "3/4", "\frac{3}{4}", "12%"."""
+    text = _normalize(text)
+    percent = text.endswith("%")
+    text = text.rstrip("%").removesuffix("\\")  # "12\%" is LaTeX for 12%
+    if _THOUSANDS.fullmatch(text):
+        text = text.replace(",", "")
+    frac = _LATEX_FRAC.fullmatch(text)
+    if frac is not None:
+        sign, top, bottom = frac.groups()
+        text = f"{sign}{top}/{bottom}" if "/" not in top + bottom else ""
+    if not _PLAIN_NUMBER.fullmatch(text):
+        return None
+    top, _, bottom = text.partition("/")
+    if bottom and int(bottom) == 0:
+        return None
+    return Fraction(top) / (Fraction(bottom) if bottom else 1), percent
+
+
+def _normalize(text: str) -> str:
+    """Drop what changes the look of an answer but not its meaning: $, spaces, \\left, degrees, a final period."""
+    text = text.replace("\u2212", "-").replace("$", "")
+    text = _LATEX_TEXT.sub(r"\1", _LATEX_NOISE.sub("", text))
+    text = re.sub(r"\\[dt]frac", r"\\frac", text)
+    return "".join(text.split()).rstrip(".")
+
+
+def _answer_in(span: str) -> str | None:
+    """A span that is only an answer ("x+1", r"\frac{1}{2}", "y = 5" -> "5") as is; inside prose, its last number."""
+    if any(word.lower() not in _MATH_WORDS for word in _WORD.findall(span)):
+        return _last_number(span)
+    span = span.split("=")[-1].strip().strip("$").strip().rstrip(".")
+    return span or None
+
+
+def _last_number(text: str) -> str | None:
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} whose braces balance (nested braces included)."""
+    for match in reversed(list(_BOXED.finditer(text))):
+        depth = 1
+        for i in range(match.end(), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[match.end():i]
+    return None

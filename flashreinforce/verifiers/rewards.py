@@ -1,0 +1,122 @@
+"""Reward functions: the built-in ones and user functions named by a reference string.
+
+A reward function is called once per trajectory:
+
+    def my_reward(completion: str, ground_truth: str, prompt: Prompt) -> float | bool | Verdict
+
+A bool gives reward 1.0 / 0.0; a number r gives Verdict(reward=r, passed=r > 0); a Verdict is kept as
+is. References: a built-in name ("math"), "path/to/file.py:function" or "package.module:function".
+A reference that does not load (missing file, syntax error, no such function, wrong signature) is a
+ValueError naming it and the fix, raised when the pool starts, never per call. This module runs
+user code in whatever process calls it; verifiers/pool.py is what isolates it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from flashreinforce.types import Prompt, Verdict
+from flashreinforce.verifiers.math import math_reward
+
+RewardFn = Callable[[str, str, Prompt], "float | bool | Verdict"]
+
+
+def _math(completion: str, ground_truth: str, prompt: Prompt) -> Verdict:
+    return math_reward(completion, ground_truth)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"math": _math}
+"""Answer checking for math and the arithmetic task (boxed / "answer is" / after </think> / last number)."""
+
+
+def resolve_reward_ref(ref: str) -> str:
+    """The canonical form of a reference: a file path made absolute, so worker processes find the same file."""
+    target, colon, name = ref.rpartition(":")
+    if not colon or not _is_file(target):
+        return ref
+    return f"{Path(target).resolve()}:{name}"
+
+
+def load_reward_fn(ref: str) -> RewardFn:
+    """The callable a reference names, checked to take (completion, ground_truth, prompt)."""
+    if ref in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[ref]
+    target, colon, name = ref.rpartition(":")
+    if not colon or not target or not name:
+        raise ValueError(f"reward function {ref!r}: use a built-in name ({', '.join(BUILTIN_REWARDS)}), "
+                         "'path/to/file.py:function' or 'package.module:function'")
+    module = _import_file(ref, Path(target)) if _is_file(target) else _import_module(ref, target)
+    fn = getattr(module, name, None)
+    if fn is None:
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ValueError(f"reward function {ref!r}: {target} has no {name!r} (it defines {defined}); fix the name")
+    if not callable(fn):
+        raise ValueError(f"reward function {ref!r}: {name} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("completion", "ground_truth", None)
+    except TypeError as e:
+        raise ValueError(f"reward function {ref!r} cannot be called as {name}(completion, ground_truth, prompt) "
+                         f"({e}); give it those three positional parameters") from None
+    except ValueError:
+        pass  # builtins without a signature: the first call will tell
+    return fn
+
+
+def to_verdict(value: object) -> Verdict:
+    """A reward function's return value as a Verdict; a value of the wrong kind is an error verdict."""
+    if isinstance(value, Verdict):
+        if _finite(value.reward) and isinstance(value.passed, bool) and isinstance(value.reason, str):
+            return value
+    elif isinstance(value, bool):
+        return Verdict(reward=float(value), passed=value, reason="ok" if value else "wrong")
+    elif _finite(value):  # numpy scalars included
+        return Verdict(reward=float(value), passed=value > 0, reason="ok" if value > 0 else "wrong")
+    return Verdict(reward=0.0, passed=False,
+                   reason=f"error: reward function returned {value!r} ({type(value).__name__}); "
+                          "return a finite float, a bool or a Verdict(reward: float, passed: bool, reason: str)")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def _import_file(ref: str, path: Path) -> object:
+    if not path.is_file():
+        raise ValueError(f"reward function {ref!r}: file {path} not found (relative to {Path.cwd()}); fix the path")
+    path = path.resolve()
+    # A name unique to the path, so two reward files both called rewards.py do not replace each other.
+    module_name = f"_flashreinforce_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None, f"no import spec for {path}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # before exec: dataclasses and pickle look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise ValueError(f"reward function {ref!r}: importing {path} failed with "
+                         f"{type(e).__name__}: {e}; fix the file") from e
+    return module
+
+
+def _import_module(ref: str, name: str) -> object:
+    try:
+        return importlib.import_module(name)
+    except Exception as e:
+        raise ValueError(f"reward function {ref!r}: importing module {name} failed with {type(e).__name__}: {e}; "
+                         "check the name and that its package is on sys.path (installed, or in the working "
+                         "directory)") from e
