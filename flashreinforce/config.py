@@ -132,6 +132,9 @@ class SchedulerConfig(_Section):
     """urb: N, how many data groups may be in the inference pool at once (N=1 is sync)."""
     over_provision: float = Field(2.0, ge=1)
     """april: groups kept in flight, as a multiple of batch_groups."""
+    mask_offpolicy: bool = False
+    """april: train only the tokens sampled after a rollout's last resume (slime's
+    --mask-offpolicy-in-partial-rollout)."""
 
 
 class OverlongConfig(_Section):

@@ -123,6 +123,8 @@ class RLLoop:
         if waiting is not None:
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
+        if self.backend.in_flight:  # resumed after the last step: the final checkpoint already holds them
+            await self.backend.pause()
 
     def _admit(self) -> None:
         for task in self.scheduler.admit(self.backend.free_slots, self.version):

@@ -110,7 +110,8 @@ class Trainer:
         )
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        collected: dict[str, list[torch.Tensor]] = {}
+        per_row: dict[str, list[torch.Tensor]] = {}  # (b,) stats: concatenated, then averaged over rows
+        scalars: dict[str, float] = {}  # scalar stats are each slice's share of the batch figure: summed
         token_sums = {"entropy": 0.0, "abs_mismatch": 0.0, "k3_mismatch": 0.0}
         total_loss = 0.0
         wpsm_flagged = 0
@@ -149,7 +150,10 @@ class Trainer:
             loss.backward()
             total_loss += float(loss.detach())
             for name, value in stats.items():
-                collected.setdefault(name, []).append(value.detach().float().reshape(-1))
+                if value.dim() == 0:
+                    scalars[name] = scalars.get(name, 0.0) + float(value)
+                else:
+                    per_row.setdefault(name, []).append(value.detach().float())
             mask = micro.loss_mask
             gap = (logprobs.detach() - micro.behavior_logprobs).masked_fill(~mask, 0.0)
             token_sums["entropy"] += float(entropies.masked_fill(~mask, 0.0).sum())
@@ -188,8 +192,9 @@ class Trainer:
         if self.wpsm is not None:
             metrics["wpsm/flagged_fraction"] = wpsm_flagged / batch.num_rows
         metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
-        for name, chunks in collected.items():
-            metrics[f"loss/{name}"] = float(torch.cat(chunks).float().mean())
+        for name, chunks in per_row.items():
+            metrics[f"loss/{name}"] = float(torch.cat(chunks).mean())
+        metrics.update({f"loss/{name}": value for name, value in scalars.items()})
         return metrics
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,5 @@
+"""`python -m flashreinforce ...` is the `flashreinforce` command."""
+
+from flashreinforce.cli import main
+
+main()

@@ -1,0 +1,126 @@
+"""Advantage estimators: (rewards (N,), group_ids (N,)) -> advantages (N,), one per trajectory.
+
+Always called on the WHOLE learner batch, before it is split into microbatches or ranks (DESIGN
+invariant 4): every baseline below is a batch or group statistic. `group_ids` are any integers that
+tag the rollouts of one prompt (they need not be contiguous or sorted). Nothing here sees tokens.
+Standard deviations are the sample (Bessel-corrected) ones, as in TRL and verl [R]; a group of one has
+deviation 0, so its advantage is 0.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+STD_EPS = 1e-6
+"""Added to a standard deviation before dividing (GRPO's std + 1e-6): a constant group gets A = 0."""
+
+
+def group_mean(values: Tensor, group_ids: Tensor) -> Tensor:
+    """Each row's group mean: out[i] = mean{values[j] : group_ids[j] == group_ids[i]}.   (N,), (N,) -> (N,)
+
+    Example: values [1, 0, 4, 2], group_ids [7, 7, 3, 3] -> [0.5, 0.5, 3, 3].
+    Also gives WPSM's current-group accuracy: group_mean(passed.float(), group_ids).
+    """
+    values = _as_float("values", values)
+    inverse, counts = _groups(group_ids, values)
+    sums = torch.zeros(counts.shape, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+    return (sums / counts)[inverse]
+
+
+def batch_mean_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """FlashREINFORCE / one-rollout REINFORCE: A_i = R_i - mean_j R_j over the whole batch; groups unused."""
+    rewards = _as_float("rewards", rewards)
+    _groups(group_ids, rewards)  # same shape checks as every estimator, though the ids are unused
+    return rewards - rewards.mean()
+
+
+def grpo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """GRPO (DeepSeekMath): A_i = (R_i - mean_g R) / (std_g R + 1e-6) within each prompt's group g.
+
+    Example: rewards [1, 0, 0, 0] in one group: mean 0.25, std 0.5 -> [1.5, -0.5, -0.5, -0.5] (to 1e-5).
+    """
+    rewards = _as_float("rewards", rewards)
+    centered = _group_centered(rewards, group_ids, "grpo")
+    return centered / (_group_std(centered, group_ids) + STD_EPS)
+
+
+def drgrpo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Dr.GRPO (Liu et al. 2025): A_i = R_i - mean_g R; dropping the std removes the difficulty bias."""
+    return _group_centered(_as_float("rewards", rewards), group_ids, "drgrpo")
+
+
+def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """RLOO: A_i = R_i - mean_{j != i in g} R_j = k/(k-1) (R_i - mean_g R), k = |g| >= 2.
+
+    Example: rewards [1, 0, 0] in one group -> [1 - 0, 0 - 0.5, 0 - 0.5] = [1, -0.5, -0.5].
+    """
+    rewards = _as_float("rewards", rewards)
+    inverse, counts = _groups(group_ids, rewards)
+    if bool((counts < 2).any()):
+        raise ValueError(f"rloo needs at least 2 rollouts per group (leave-one-out baseline); group sizes are "
+                         f"{counts.tolist()}: raise the group size or use batch_mean_advantages")
+    k = counts[inverse]  # (N,)
+    return k / (k - 1) * (rewards - group_mean(rewards, group_ids))
+
+
+def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """REINFORCE++ (Hu et al. 2025) without a reference-KL term: A_i = (R_i - mean R) / (std R + 1e-6).
+
+    With beta = 0 the return of every token of y_i is R_i, so the token-level advantage is this A_i,
+    normalised over the GLOBAL batch (one statistic per trajectory [R]; OpenRLHF whitens over tokens,
+    which weights long rows more). group_ids are unused.
+    """
+    rewards = _as_float("rewards", rewards)
+    _groups(group_ids, rewards)
+    return _whiten(rewards)
+
+
+def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """REINFORCE++-baseline: subtract each group's mean reward, then whiten over the GLOBAL batch."""
+    return _whiten(_group_centered(_as_float("rewards", rewards), group_ids, "reinforce++-baseline"))
+
+
+def _whiten(x: Tensor) -> Tensor:
+    centered = x - x.mean()
+    std = (centered.square().sum() / max(x.numel() - 1, 1)).sqrt()
+    return centered / (std + STD_EPS)
+
+
+def _group_centered(rewards: Tensor, group_ids: Tensor, name: str) -> Tensor:
+    _, counts = _groups(group_ids, rewards)
+    singletons = int((counts == 1).sum())
+    if singletons:
+        # The classic one-rollout-per-prompt trap: a group of one is its own baseline, A = 0, no signal.
+        warnings.warn(f"{name}: {singletons} of {counts.numel()} groups have a single rollout, so their advantage "
+                      "is 0 and they teach nothing; use G >= 2 rollouts per prompt, or batch_mean_advantages",
+                      RuntimeWarning, stacklevel=3)
+    return rewards - group_mean(rewards, group_ids)
+
+
+def _group_std(centered: Tensor, group_ids: Tensor) -> Tensor:
+    """Each row's group sample std, from already group-centred values.   (N,) -> (N,)"""
+    inverse, counts = _groups(group_ids, centered)
+    squares = torch.zeros(counts.shape, dtype=centered.dtype, device=centered.device)
+    squares.index_add_(0, inverse, centered.square())
+    return (squares / (counts - 1).clamp_min(1)).sqrt()[inverse]
+
+
+def _groups(group_ids: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """(inverse (N,) long: each row's group index, counts (G,) in values' dtype) after validation."""
+    if group_ids.shape != values.shape or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
+        raise ValueError(f"group_ids must be an integer tensor shaped like rewards {tuple(values.shape)}, got "
+                         f"{group_ids.dtype} {tuple(group_ids.shape)}")
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    return inverse, counts.to(values.dtype)
+
+
+def _as_float(name: str, values: Tensor) -> Tensor:
+    if values.ndim != 1 or values.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty (N,) tensor, got shape {tuple(values.shape)}")
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{name} must be finite, got {values.tolist()}")
+    # Low-precision rewards would round the baselines; fp64 stays fp64 for exact checks.
+    return values.to(torch.float64 if values.dtype == torch.float64 else torch.float32)

@@ -1,0 +1,79 @@
+"""The menu: every loss the trainer can run, by name, in one literal dict.
+
+A LossSpec pairs an advantage estimator (run once on the WHOLE batch) with an objective (run on each
+slice, given the batch's GlobalNorm) and the options the objective uses when none are given. Adding a
+loss is adding one entry. Usage:
+
+    spec = LOSSES["dapo"]
+    advantages = spec.advantages(rewards, group_ids)                 # (N,), whole batch
+    loss, stats = spec.objective(slice_inputs, norm, eps_high=0.3)   # any option of spec.defaults
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from functools import partial
+from types import MappingProxyType
+from typing import Any
+
+from torch import Tensor
+
+from flashreinforce.algorithms.advantages import (
+    batch_mean_advantages,
+    drgrpo_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from flashreinforce.algorithms.objectives import (
+    ClipOptions,
+    FlashReinforceOptions,
+    MiscOptions,
+    clip_objective,
+    flashreinforce_objective,
+    gspo_objective,
+    gspo_token_objective,
+    misc_objective,
+)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One loss of the menu."""
+
+    advantages: Callable[[Tensor, Tensor], Tensor]
+    """(rewards (N,), group_ids (N,) long) -> (N,), over the WHOLE batch."""
+    objective: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+    """(inputs: LossInputs, norm: GlobalNorm, **options) -> (loss, stats); `defaults` pre-applied."""
+    defaults: Mapping[str, Any]
+    """Every option of the objective with the value it takes when not given (read-only)."""
+
+
+def _spec(advantages: Callable, objective: Callable, options: object) -> LossSpec:
+    defaults = MappingProxyType(asdict(options))
+    return LossSpec(advantages, partial(objective, **defaults), defaults)
+
+
+GSPO_CLIP = ClipOptions(eps_low=3e-4, eps_high=4e-4)  # the GSPO paper's ranges, ~100x tighter than GRPO's
+
+LOSSES: dict[str, LossSpec] = {
+    # FlashREINFORCE: one rollout per prompt, batch-mean baseline, detached ratio, sequence trust region.
+    "flashreinforce": _spec(batch_mean_advantages, flashreinforce_objective, FlashReinforceOptions()),
+    # GRPO: group-normalised advantages, symmetric clip 0.2, seq-mean-token-mean, no KL term.
+    "grpo": _spec(grpo_advantages, clip_objective, ClipOptions()),
+    # Dr.GRPO: no std in the advantage, token sums over the constant L instead of |o_i|.
+    "drgrpo": _spec(drgrpo_advantages, clip_objective, ClipOptions(aggregation="seq-mean-token-sum-norm")),
+    # DAPO: clip-higher and token-mean (dynamic sampling and overlong shaping live in dapo.py).
+    "dapo": _spec(grpo_advantages, clip_objective, ClipOptions(eps_high=0.28, aggregation="token-mean")),
+    "gspo": _spec(grpo_advantages, gspo_objective, GSPO_CLIP),
+    "gspo_token": _spec(grpo_advantages, gspo_token_objective, GSPO_CLIP),
+    # MISC (ERNIE 5.0): GSPO-token + per-token IcePop mask with per-modality bands.
+    "misc": _spec(grpo_advantages, misc_objective, MiscOptions()),
+    # RLOO is sequence-level REINFORCE, -(1/k) sum_i A_i log pi(y_i): token sums, here over the constant L.
+    "rloo": _spec(rloo_advantages, clip_objective, ClipOptions(aggregation="seq-mean-token-sum-norm")),
+    "reinforce++": _spec(reinforce_pp_advantages, clip_objective, ClipOptions(aggregation="token-mean")),
+    "reinforce++-baseline": _spec(reinforce_pp_baseline_advantages, clip_objective,
+                                  ClipOptions(aggregation="token-mean")),
+}

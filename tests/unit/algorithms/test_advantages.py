@@ -1,0 +1,113 @@
+"""Advantage estimators: hand-derived values and the ALGORITHMS.md section 7 properties."""
+
+import math
+
+import pytest
+import torch
+
+from flashreinforce.algorithms.advantages import (
+    batch_mean_advantages,
+    drgrpo_advantages,
+    group_mean,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+
+R = torch.tensor([1.0, 0.0, 0.0, 0.0, 3.0, 1.0], dtype=torch.float64)
+GROUPS = torch.tensor([7, 7, 7, 7, 2, 2])  # ids need not be contiguous or sorted
+
+
+def test_group_mean_with_arbitrary_ids():
+    torch.testing.assert_close(group_mean(torch.tensor([1.0, 0.0, 4.0, 2.0]), torch.tensor([7, 3, 7, 3])),
+                               torch.tensor([2.5, 1.0, 2.5, 1.0]))
+
+
+def test_batch_mean_ignores_groups():
+    torch.testing.assert_close(batch_mean_advantages(R, GROUPS), R - 5 / 6)
+
+
+def test_grpo_hand_values():
+    # group 7: mean 0.25, sample std sqrt(0.75/3) = 0.5; group 2: mean 2, std sqrt(2)
+    expected = torch.tensor([0.75 / 0.5, -0.5, -0.5, -0.5, 1 / math.sqrt(2), -1 / math.sqrt(2)], dtype=torch.float64)
+    torch.testing.assert_close(grpo_advantages(R, GROUPS), expected, rtol=1e-5, atol=0)
+
+
+def test_grpo_constant_group_gets_zero_advantage():
+    advantages = grpo_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    assert advantages[:2].eq(0).all() and advantages[2] < 0 < advantages[3]
+
+
+def test_drgrpo_is_group_centered_reward():
+    torch.testing.assert_close(drgrpo_advantages(R, GROUPS),
+                               torch.tensor([0.75, -0.25, -0.25, -0.25, 1.0, -1.0], dtype=torch.float64))
+
+
+def test_grpo_and_drgrpo_signs_agree_and_are_equal_when_std_is_one():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 4, (12,), generator=g).double()
+    groups = torch.arange(12) // 4
+    assert torch.equal(torch.sign(grpo_advantages(rewards, groups)), torch.sign(drgrpo_advantages(rewards, groups)))
+    # a pair sqrt(2) apart has sample std exactly 1, so GRPO = Dr.GRPO up to the 1e-6 in the denominator
+    pairs = torch.tensor([0.0, math.sqrt(2), 4.0, 4.0 + math.sqrt(2)], dtype=torch.float64)
+    ids = torch.tensor([0, 0, 1, 1])
+    torch.testing.assert_close(grpo_advantages(pairs, ids), drgrpo_advantages(pairs, ids), rtol=2e-6, atol=0)
+
+
+def test_rloo_leave_one_out_values_and_identities():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 2.0, 4.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    advantages = rloo_advantages(rewards, groups)
+    # group 0: 1 - 0, 0 - 0.5, 0 - 0.5; group 1: 2 - 4, 4 - 2
+    torch.testing.assert_close(advantages, torch.tensor([1.0, -0.5, -0.5, -2.0, 2.0], dtype=torch.float64))
+    assert abs(float(advantages[:3].sum())) < 1e-12 and abs(float(advantages[3:].sum())) < 1e-12
+    k = torch.tensor([3.0, 3, 3, 2, 2], dtype=torch.float64)
+    torch.testing.assert_close(advantages, k / (k - 1) * drgrpo_advantages(rewards, groups))
+
+
+def test_rloo_rejects_a_group_of_one():
+    with pytest.raises(ValueError, match="at least 2"):
+        rloo_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1]))
+
+
+def test_singleton_groups_warn_because_they_carry_no_signal():
+    with pytest.warns(RuntimeWarning, match="single rollout"):
+        advantages = grpo_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]))
+    assert advantages.eq(0).all()
+
+
+def test_reinforce_pp_whitens_over_the_global_batch():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # mean 0.25, sample std 0.5
+    torch.testing.assert_close(reinforce_pp_advantages(rewards, torch.arange(4)),
+                               torch.tensor([1.5, -0.5, -0.5, -0.5], dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_reinforce_pp_baseline_centers_per_group_then_whitens_globally():
+    rewards = torch.tensor([1.0, 0.0, 5.0, 6.0], dtype=torch.float64)
+    # group-centred: [0.5, -0.5, -0.5, 0.5]; global mean 0, sample std sqrt(1/3)
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64) * math.sqrt(3)
+    advantages = reinforce_pp_baseline_advantages(rewards, torch.tensor([0, 0, 1, 1]))
+    torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=0)
+    assert abs(float(advantages.mean())) < 1e-12
+
+
+@pytest.mark.parametrize("estimator", [grpo_advantages, drgrpo_advantages, rloo_advantages])
+def test_group_advantages_sum_to_zero_per_group(estimator):
+    g = torch.Generator().manual_seed(1)
+    rewards = torch.rand(12, generator=g, dtype=torch.float64)
+    groups = torch.arange(12) % 3
+    advantages = estimator(rewards, groups)
+    for gid in range(3):
+        assert abs(float(advantages[groups == gid].sum())) < 1e-12
+
+
+@pytest.mark.parametrize("rewards,groups", [
+    (torch.tensor([[1.0]]), torch.tensor([[0]])),
+    (torch.tensor([1.0, float("nan")]), torch.tensor([0, 0])),
+    (torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0])),
+    (torch.tensor([1.0, 0.0]), torch.tensor([0, 0, 1])),
+])
+def test_bad_inputs_raise_value_error(rewards, groups):
+    with pytest.raises(ValueError):
+        grpo_advantages(rewards, groups)

@@ -1,0 +1,69 @@
+import math
+
+import pytest
+
+from flashreinforce.cli import main
+from flashreinforce.config import RECIPES_DIR, load_config, parse_override
+
+SHIPPED = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def test_ships_the_recipes_the_issue_names():
+    assert {"arithmetic", "arithmetic_grpo", "arithmetic_sync", "arithmetic_april", "arithmetic_urb", "r1",
+            "qwen_math", "qwen7b_tool", "qwen3_tool_ablation", "alfworld"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("recipe", SHIPPED)
+def test_every_shipped_recipe_parses_and_dry_runs(recipe, capsys):
+    config = load_config(recipe)
+    assert config.name == recipe
+    main(["train", recipe, "--dry-run"])
+    printed = capsys.readouterr().out
+    assert f"name: {recipe}" in printed and "scheduler:" in printed
+
+
+def test_overrides_reach_nested_fields():
+    config = load_config(None, ["trainer.lr=1e-5", "scheduler.kind=urb", "algo.options.delta=inf"])
+    assert config.trainer.lr == 1e-5
+    assert config.scheduler.kind == "urb"
+    assert math.isinf(config.algo.options["delta"])
+
+
+def test_inherited_recipe_keeps_parent_fields_and_overrides_its_own():
+    child = load_config("arithmetic_grpo")
+    parent = load_config("arithmetic")
+    assert child.algo.loss == "grpo" and child.scheduler.group_size == 4
+    assert child.trainer == parent.trainer and child.sft == parent.sft
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (["trainer.lrr=1"], "trainer.lrr"),
+        (["scheduler.kind=fifo"], "scheduler.kind"),
+        (["trainer.lr=-1"], "trainer.lr"),
+        (["model.tiny.hidden_size=130"], "hidden_size"),
+        (["algo.loss=grpo"], "group_size"),
+        (["data.kind=files"], "train"),
+    ],
+)
+def test_config_errors_name_the_field(overrides, names):
+    with pytest.raises(ValueError, match=names):
+        load_config(None, overrides)
+
+
+def test_unknown_recipe_lists_the_shipped_ones():
+    with pytest.raises(ValueError, match="arithmetic_urb"):
+        load_config("no_such_recipe")
+
+
+def test_malformed_override_is_rejected():
+    with pytest.raises(ValueError, match="dotted.field=value"):
+        parse_override("trainer.lr")
+
+
+def test_cli_reports_config_errors_without_a_traceback(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "trainer.steps=-3", "--dry-run"])
+    assert exit_info.value.code == 2
+    assert "trainer.steps" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+"""DESIGN.md "Layers": imports point one way, and heavy or optional packages stay in their corner."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "flashreinforce"
+
+# Lower rank = lower layer. A module may import its own layer and the layers below it, never above.
+RANK = {
+    "types": 0, "algorithms": 1, "models": 2, "rollout": 3, "data": 4, "envs": 4, "verifiers": 5, "buffer": 6,
+    "trainer": 7, "controller": 8, "eval": 9, "metrics": 9, "config": 9, "cli": 10, "__init__": 10, "__main__": 10,
+}
+# Siblings that must not see each other even though their ranks would allow it.
+FORBIDDEN = {("buffer", "verifiers"), ("buffer", "envs"), ("buffer", "data"), ("buffer", "rollout"),
+             ("buffer", "models"), ("buffer", "algorithms"), ("verifiers", "envs"), ("verifiers", "rollout"),
+             ("verifiers", "models"), ("data", "verifiers")}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        yield path, parts[0]
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_every_package_module_has_a_layer():
+    assert {layer for _, layer in _modules()} <= set(RANK)
+
+
+@pytest.mark.parametrize(("path", "layer"), list(_modules()), ids=lambda v: str(v).split("flashreinforce/")[-1])
+def test_imports_point_down_the_layers(path, layer):
+    for name in _imports(path):
+        parts = name.split(".")
+        if parts[0] != "flashreinforce" or len(parts) == 1:
+            continue
+        target = parts[1]
+        assert RANK[target] <= RANK[layer], f"{layer} must not import {name} (a higher layer)"
+        assert (layer, target) not in FORBIDDEN, f"{layer} must not import its sibling {name}"
+
+
+@pytest.mark.parametrize(("path", "layer"), list(_modules()), ids=lambda v: str(v).split("flashreinforce/")[-1])
+def test_optional_packages_stay_in_their_corner(path, layer):
+    names = {n.split(".")[0] for n in _imports(path)}
+    if RANK[layer] < RANK["controller"]:
+        assert "ray" not in names, "nothing below the controller imports ray"
+    if not path.name.startswith("vllm"):
+        assert "vllm" not in names, "only the vLLM engine adapter imports vllm"
+
+
+def test_light_imports_stay_light():
+    """`import flashreinforce` and the plotting module pull in no torch."""
+    code = ("import sys, flashreinforce, flashreinforce.metrics.plots, flashreinforce.types, "
+            "flashreinforce.config; assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

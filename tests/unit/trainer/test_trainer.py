@@ -1,0 +1,138 @@
+import copy
+import math
+
+import pytest
+import torch
+
+from flashreinforce.models import build_model, token_logprobs
+from flashreinforce.trainer.batching import collate
+from flashreinforce.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_states, save_checkpoint
+from flashreinforce.trainer.optim import lr_multiplier
+from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
+from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
+
+VOCAB = 12
+
+
+def make_trajectory(tokens, prompt_length, *, reward=1.0, group=0, sample=0, versions=None, logprobs=None):
+    n = len(tokens)
+    mask = tuple(int(i >= prompt_length) for i in range(n))
+    behavior = tuple(logprobs) if logprobs is not None else tuple(-1.0 * m for m in mask)
+    return Trajectory(
+        key=RolloutKey(f"p{group}", sample),
+        prompt=Prompt(id=f"p{group}", prompt="x", ground_truth="1"),
+        group=group,
+        tokens=tuple(tokens),
+        loss_mask=mask,
+        behavior_logprobs=behavior,
+        policy_versions=tuple(versions) if versions else tuple(0 if m else FORCED_VERSION for m in mask),
+        prompt_length=prompt_length,
+        finish_reason="stop",
+        verdict=Verdict(reward=reward, passed=reward > 0),
+    )
+
+
+def test_collate_pads_right_and_keeps_columns_aligned():
+    batch = collate([make_trajectory([5, 6, 7, 8], 2), make_trajectory([9, 4], 1, group=1)], pad_token_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8], [9, 4, 0, 0]]
+    assert batch.attention_mask.int().tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch.loss_mask.int().tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    assert batch.behavior_logprobs.tolist() == [[0, 0, -1, -1], [0, -1, 0, 0]]
+    assert batch.group_ids.tolist() == [0, 1]
+    trimmed = batch.rows(1, 2)
+    assert trimmed.input_ids.tolist() == [[9, 4]]
+
+
+def test_collate_refuses_a_row_without_policy_tokens():
+    with pytest.raises(ValueError, match="no sampled tokens"):
+        collate([make_trajectory([5, 6], 2)], pad_token_id=0)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    schedule = [lr_multiplier(s, warmup_steps=2, total_steps=10, min_lr_ratio=0.1) for s in range(12)]
+    assert schedule[:2] == [0.5, 1.0]
+    assert schedule[2] == pytest.approx(1.0)
+    assert schedule[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert schedule[10] == pytest.approx(0.1) and schedule[11] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(schedule[1:], schedule[2:]))
+
+
+def _on_policy_batch(model, rows, group_size):
+    """Random sequences whose behavior log-probs are the model's own (ratio 1, trust region admits)."""
+    generator = torch.Generator().manual_seed(0)
+    trajectories = []
+    for row in range(rows):
+        length = 4 + row % 5
+        tokens = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, torch.tensor([tokens]), with_entropy=False)
+        trajectories.append(make_trajectory(tokens, 2, reward=float(row % 3 == 0), group=row // group_size,
+                                            sample=row % group_size, logprobs=[0, 0, *lp[0, 2:].tolist()]))
+    return trajectories
+
+
+def _trainer(model, loss, microbatch_size):
+    return Trainer(
+        model,
+        loss=loss,
+        loss_options={},
+        optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0,
+                                    total_steps=10, min_lr_ratio=1.0, grad_clip=1e9),
+        microbatch_size=microbatch_size,
+        pad_token_id=0,
+        temperature=1.0,
+        max_new_tokens=8,
+    )
+
+
+@pytest.mark.parametrize(("loss", "group_size"), [("flashreinforce", 1), ("grpo", 4), ("dapo", 4), ("drgrpo", 4)])
+def test_microbatches_give_the_full_batch_step(loss, group_size):
+    """DESIGN invariant 4: 3 uneven microbatches step the weights exactly like one batch."""
+    base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
+    batch = _on_policy_batch(base, rows=8, group_size=group_size)
+    whole, split = copy.deepcopy(base), copy.deepcopy(base)
+    metrics_whole = _trainer(whole, loss, microbatch_size=8).step(batch)
+    metrics_split = _trainer(split, loss, microbatch_size=3).step(batch)
+    assert metrics_whole["optim/grad_norm"] > 0
+    assert metrics_split["optim/grad_norm"] == pytest.approx(metrics_whole["optim/grad_norm"], rel=1e-9)
+    for a, b in zip(whole.parameters(), split.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_step_reports_zero_mismatch_lag_and_bumps_the_version():
+    model = build_model(VOCAB, 16, 1, 2, 32, seed=2)
+    trainer = _trainer(model, "flashreinforce", 4)
+    batch = _on_policy_batch(model, rows=6, group_size=1)
+    metrics = trainer.step(batch)
+    assert trainer.version == 1
+    assert metrics["mismatch/abs_logprob_diff"] < 1e-5
+    assert metrics["lag/mean"] == 0 and metrics["lag/tokens_at_0"] == metrics["batch/policy_tokens"]
+    assert metrics["loss/acceptance_rate"] == pytest.approx(1.0)
+
+
+def test_unknown_loss_or_option_names_the_choices():
+    model = build_model(VOCAB, 16, 1, 2, 32)
+    with pytest.raises(ValueError, match="flashreinforce"):
+        _trainer(model, "ppo2", 4)
+    with pytest.raises(ValueError, match="unknown option"):
+        Trainer(model, loss="grpo", loss_options={"epsilon": 0.1}, optimizer=OptimizerSettings(
+            lr=1e-3, weight_decay=0, betas=(0.9, 0.99), warmup_steps=0, total_steps=1, min_lr_ratio=1, grad_clip=1),
+            microbatch_size=1, pad_token_id=0, temperature=1.0, max_new_tokens=4)
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    def write_model(path):
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+
+    (tmp_path / "step_000009.tmp123").mkdir()  # a torn write from a killed process
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, write_model=write_model, trainer_state={"version": step},
+                        controller_state={"inflight": []}, meta={"wall_seconds": 1.0}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]
+    assert latest_checkpoint(tmp_path).name == "step_000003"
+    trainer_state, controller_state, meta = load_states(tmp_path / "step_000003")
+    assert trainer_state == {"version": 3} and meta["step"] == 3
+    (tmp_path / "step_000003" / "trainer.pt").unlink()
+    with pytest.raises(ValueError, match="incomplete"):
+        load_states(tmp_path / "step_000003")
