@@ -56,10 +56,12 @@ class RolloutKey(NamedTuple):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings of the rollout engine."""
+    """Per-request sampling settings of the rollout engine. Invalid values raise ValueError here."""
 
     max_new_tokens: int = 256
+    """Budget for everything after the prompt (sampled and forced tokens together)."""
     temperature: float = 1.0
+    """0 means greedy: the sampled distribution is a point mass on the argmax (behavior log-prob 0)."""
     top_k: int = 0
     """0 disables top-k."""
     top_p: float = 1.0
@@ -67,9 +69,33 @@ class SamplingParams:
     seed: int | None = None
     """Seeds this request's own random stream, so its tokens do not depend on its batch mates."""
     stop_token_ids: tuple[int, ...] = ()
+    """Stop on these tokens, in addition to the engine's EOS ids."""
     stop_strings: tuple[str, ...] = ()
+    """Stop once the text sampled in the current turn contains one of these."""
     return_policy_logprobs: bool = False
     """Also return each sampled token's log-prob under the untruncated, temperature-1 policy."""
+
+    def __post_init__(self) -> None:
+        # Lists would make the record unhashable; tuples keep it frozen all the way down.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        problems = []
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            problems.append(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf")):
+            problems.append(f"temperature={self.temperature!r} must be finite and >= 0 (0 = greedy)")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            problems.append(f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            problems.append(f"top_p={self.top_p!r} must be in (0, 1] (1 disables it)")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
+            problems.append(f"seed={self.seed!r} must be None or an int in [0, 2**64)")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids={self.stop_token_ids!r} must be non-negative ints")
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            problems.append(f"stop_strings={self.stop_strings!r} must be non-empty strings")
+        if problems:
+            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -101,6 +127,8 @@ class Generation:
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         lengths = (len(self.behavior_logprobs), len(self.policy_versions), len(self.loss_mask))
+        if self.policy_logprobs is not None:
+            lengths += (len(self.policy_logprobs),)
         assert all(m == n for m in lengths), f"misaligned generation {self.request_id}: {n} tokens, arrays {lengths}"
 
     @property

@@ -100,7 +100,9 @@ def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporte
 
         reporter.note(f"warm start: reusing {sft_dir}")
         return AutoTokenizer.from_pretrained(sft_dir), load_model(sft_dir, dtype=dtype)
-    tokenizer = build_char_tokenizer("".join(c for c in ALPHABET if len(c) == 1))
+    # The task's characters, one token each, plus the think tags as single special tokens.
+    tokenizer = build_char_tokenizer("".join(c for c in ALPHABET if c not in (THINK_OPEN, THINK_CLOSE)),
+                                     special_tokens=("<pad>", "<eos>", "<unk>", THINK_OPEN, THINK_CLOSE))
     tiny = config.model.tiny
     model = build_model(
         len(tokenizer),

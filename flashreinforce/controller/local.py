@@ -67,22 +67,21 @@ class _ThreadedDriver:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = AsyncEngine(engine)
-        self.tasks: dict[str, asyncio.Task] = {}
+        self.futures: dict[str, asyncio.Future] = {}
         self.paused: set[str] = set()
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                prefix: Generation | None) -> None:
-        self.tasks[request_id] = asyncio.ensure_future(
-            self.engine.generate(request_id, prompt_ids, params, prefix=prefix)
-        )
+        # Queued before this returns, so a pause right after it cannot miss the request.
+        self.futures[request_id] = self.engine.submit(request_id, prompt_ids, params, prefix=prefix)
 
     def _take_done(self) -> list[Generation]:
-        done = [rid for rid, task in self.tasks.items() if task.done()]
-        return [self.tasks.pop(rid).result() for rid in done]
+        done = [rid for rid, future in self.futures.items() if future.done()]
+        return [self.futures.pop(rid).result() for rid in done]
 
     async def finished(self) -> list[Generation]:
-        # Waiting on a snapshot is cancel-safe: a cancelled wait leaves every task in place.
-        await asyncio.wait(list(self.tasks.values()), return_when=asyncio.FIRST_COMPLETED)
+        # Waiting on a snapshot is cancel-safe: a cancelled wait leaves every future in place.
+        await asyncio.wait(list(self.futures.values()), return_when=asyncio.FIRST_COMPLETED)
         return self._take_done()
 
     async def pause(self) -> tuple[list[Generation], list[Generation]]:
@@ -90,7 +89,7 @@ class _ThreadedDriver:
         self.paused.update(p.request_id for p in partials)
         # Keep decoding new submissions (a held-out evaluation) while the paused requests stay held.
         await self.engine.resume([])
-        # Requests that finished before the pause resolved first (the engine answers in order).
+        # Requests that finished before the pause are already resolved (the engine answers in order).
         return partials, self._take_done()
 
     async def resume(self, partials: Sequence[Generation]) -> None:
@@ -98,22 +97,22 @@ class _ThreadedDriver:
         await self.engine.resume(held)
         self.paused.difference_update(p.request_id for p in held)
         for partial in partials:  # partials restored from a checkpoint start afresh
-            if partial.request_id not in self.tasks:
+            if partial.request_id not in self.futures:
                 self.submit(partial.request_id, partial.prompt_ids, partial.params, partial)
 
     async def abort(self, request_ids: Sequence[str]) -> list[Generation]:
         partials = await self.engine.abort(request_ids)
-        for partial in partials:
+        for partial in partials:  # their futures resolved with these partials: not "finished" work
             self.paused.discard(partial.request_id)
-            self.tasks.pop(partial.request_id).cancel()
+            self.futures.pop(partial.request_id)
         return partials
 
     async def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         await self.engine.load_weights(state_dict, version)
 
     def close(self) -> None:
-        for task in self.tasks.values():
-            task.cancel()
+        for future in self.futures.values():
+            future.cancel()
         self.engine.close()
 
 

@@ -1,0 +1,74 @@
+"""Per-token log-probs and entropies of a causal LM: the trainer's view of the policy.
+
+The rollout engine runs the same model forward (with a KV cache) and the same fp32 log-softmax,
+which is why behavior and recomputed log-probs agree to float rounding in fp32. This module knows
+nothing about losses or sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+# Row chunks keep the fp32 (rows, T, V) intermediates of the log-softmax near this many elements.
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each token given the tokens before it, aligned with the tokens.
+
+        logprobs[b, t]  = log softmax(z[b, t-1] / temperature)[input_ids[b, t]]     for t >= 1
+        entropies[b, t] = -sum_v p(v) log p(v),  p = softmax(z[b, t-1] / temperature)
+        both are 0 at t = 0, and wherever token t or token t-1 is padding
+
+    z are the model's logits, upcast to at least fp32 before the softmax. input_ids and attention_mask are
+    (B, T); padding may sit on either side (positions count only real tokens). Gradients flow
+    through logprobs when called under grad; entropies are always detached (they feed masks and
+    metrics, not the loss). Returns (logprobs (B, T), entropies (B, T) or None), fp32 (fp64 for an
+    fp64 model).
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids {tuple(input_ids.shape)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding has no log-probs to recompute)")
+    position_ids = None
+    if attention_mask is not None:
+        # Positions count real tokens only, as in the engine, so left padding works too.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, T)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits[:, :-1]  # (B, T-1, V): logits[:, t] predicts input_ids[:, t+1]
+    targets = input_ids[:, 1:]  # (B, T-1)
+
+    B, T1, V = logits.shape
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16/fp16 -> fp32; fp64 stays fp64
+    rows = max(1, _CHUNK_ELEMENTS // max(1, T1 * V))
+    lp_chunks, ent_chunks = [], []
+    for start in range(0, B, rows):
+        z = logits[start : start + rows].to(dtype) / temperature  # (b, T-1, V)
+        lse = torch.logsumexp(z, dim=-1)  # (b, T-1)
+        lp_chunks.append(z.gather(-1, targets[start : start + rows, :, None]).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                p = (z - lse[..., None]).exp()  # (b, T-1, V)
+                ent_chunks.append(-torch.xlogy(p, p).sum(-1))  # xlogy: 0 log 0 = 0
+    logprobs = torch.nn.functional.pad(torch.cat(lp_chunks), (1, 0))  # (B, T)
+    entropies = torch.nn.functional.pad(torch.cat(ent_chunks), (1, 0)) if with_entropy else None
+    if attention_mask is not None:
+        # A token has a log-prob only if a real token precedes it (this also drops left padding).
+        real = attention_mask.bool()  # (B, T)
+        keep = real & torch.nn.functional.pad(real[:, :-1], (1, 0), value=False)  # (B, T)
+        logprobs = logprobs.masked_fill(~keep, 0.0)
+        entropies = entropies.masked_fill(~keep, 0.0) if entropies is not None else None
+    return logprobs, entropies

@@ -1,0 +1,520 @@
+"""The local rollout engine: continuous batching over any Hugging Face causal LM, on token ids.
+
+One `step()` feeds one token to every running request (the next prompt token while a request is
+still reading its prompt, else its last sampled token) in ONE batched forward through the model's
+own code and a `SlotCache`, then samples every row with a few tensor ops. Requests join as slots
+free up and leave as they finish, so nobody is padded to the longest. Reading short prompts inline
+costs no extra forward (on a CPU a forward's fixed cost dominates); a prompt + prefix longer than
+`prefill_threshold` gets one batched prefill forward when admitted instead.
+
+Each sampled token records its behavior log-prob, under the distribution it was actually drawn from
+(after temperature / top-k / top-p), and the weight version that drew it. The engine knows nothing
+about environments, verifiers, schedulers or text: the tokenizer only serves stop strings. It is
+single-threaded; `AsyncEngine` drives it from a thread for asyncio callers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from flashreinforce.rollout.kv_cache import SlotCache
+from flashreinforce.rollout.sampling import counter_uniforms, processed_logprobs, sample, stream_key
+from flashreinforce.types import FORCED_VERSION, FinishReason, Generation, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine was built. step() swaps in a new record, so any thread reads a consistent one."""
+
+    steps: int = 0
+    """Decoding steps that ran a forward."""
+    busy_slot_steps: int = 0
+    """Sum over steps of the requests fed a token (reading their prompt or sampling)."""
+    available_slot_steps: int = 0
+    """steps * max_batch_size."""
+    sampled_tokens: int = 0
+    """Tokens kept from sampling; busy_slot_steps - sampled_tokens steps went to reading prompts inline."""
+    step_seconds: float = 0.0
+    """Wall time spent inside step()."""
+
+    @property
+    def slot_utilization(self) -> float:
+        return self.busy_slot_steps / self.available_slot_steps if self.available_slot_steps else 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    """A live request. Its tokens at positions < kv_len (prompt first, then `tokens`) are in the KV cache."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    key: int
+    """Counter-based stream key: token j of the generation is drawn with hash(key, j)."""
+    stop_ids: frozenset[int]
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    loss_mask: list[int]
+    policy_logprobs: list[float] | None
+    turn_start: int
+    """tokens[turn_start:] were sampled after the last forced token; stop strings look only there."""
+    end: int
+    """Total length (prompt + tokens) at which the budget or the context runs out."""
+    kv_len: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
+
+    def next_input(self) -> int:
+        P = len(self.prompt_ids)
+        return self.prompt_ids[self.kv_len] if self.kv_len < P else self.tokens[self.kv_len - P]
+
+
+def append_forced_tokens(generation: Generation, token_ids: Sequence[int]) -> Generation:
+    """A copy of `generation` with tokens nobody sampled appended (an environment observation).
+
+    They get loss_mask 0, behavior log-prob 0.0 and version FORCED_VERSION (policy log-prob 0.0
+    when tracked). Submitting the result as `prefix` continues the request after them.
+    """
+    k = len(token_ids)
+    return replace(
+        generation,
+        token_ids=generation.token_ids + tuple(token_ids),
+        behavior_logprobs=generation.behavior_logprobs + (0.0,) * k,
+        policy_versions=generation.policy_versions + (FORCED_VERSION,) * k,
+        loss_mask=generation.loss_mask + (0,) * k,
+        policy_logprobs=None if generation.policy_logprobs is None else generation.policy_logprobs + (0.0,) * k,
+    )
+
+
+class Engine:
+    """Continuous-batching generation with exact behavior log-probs, abort/resume and versioned weights.
+
+    Every submitted request comes back exactly once: finished from `step()`, or as a partial
+    (finish_reason "abort") from `abort()` / `pause()`. A partial resubmitted as `prefix` continues
+    under the current weights, keeping its tokens, log-probs and versions, and drawing the same
+    random stream as an uninterrupted run (see rollout/sampling.py).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_batch_size: int,
+        max_context: int,
+        eos_token_ids: int | Sequence[int] = (),
+        pad_token_id: int = 0,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        version: int = 0,
+        seed: int = 0,
+        prefill_threshold: int = 32,
+    ):
+        """`model` becomes the engine's own (set to eval mode, weights replaced by load_weights).
+
+        max_context bounds prompt + generation. `seed` draws the stream keys of unseeded requests.
+        """
+        config = model.config
+        self._vocab_size = config.vocab_size
+        eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
+        if max_context < 2:
+            raise ValueError(f"max_context={max_context}: must be >= 2 (a prompt token and a new one)")
+        max_positions = getattr(config, "max_position_embeddings", None)
+        if max_positions is not None and max_context > max_positions:
+            raise ValueError(f"max_context={max_context} exceeds the model's max_position_embeddings={max_positions}")
+        if config._attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(
+                f"attention implementation {config._attn_implementation!r} is not supported by the local engine: "
+                "load the model with attn_implementation='sdpa' (or 'eager')"
+            )
+        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            raise ValueError("models with sliding-window attention layers are not supported by the local engine yet")
+        self._check_ids("eos_token_ids", eos)
+        self._check_ids("pad_token_id", (pad_token_id,))
+        if prefill_threshold < 0:
+            raise ValueError(f"prefill_threshold={prefill_threshold}: must be >= 0")
+        self.model = model.eval()
+        self.max_batch_size, self.max_context = max_batch_size, max_context
+        self.eos_token_ids, self.pad_token_id, self.tokenizer = frozenset(eos), pad_token_id, tokenizer
+        self.prefill_threshold = prefill_threshold
+        self._version = version
+        self._device = next(model.parameters()).device
+        # sdpa takes a boolean mask (True = attend); eager adds the mask to the scores.
+        self._additive_mask_dtype = model.dtype if config._attn_implementation == "eager" else None
+        self._cache = SlotCache(max_batch_size, max_context)
+        self._running: list[_Request] = []  # request i lives in KV slot i
+        self._waiting: deque[_Request] = deque()
+        self._live: dict[str, _Request] = {}  # running + waiting, by id
+        self._row_tensors: tuple[torch.Tensor, ...] | None = None  # sampling settings of running rows
+        self._key_rng = torch.Generator().manual_seed(seed)
+        self._stats = EngineStats()
+
+    # ----------------------------------------------------------------------------------------------
+    # Public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self._running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefix: Generation | None = None,
+    ) -> None:
+        """Queue a request; it joins the running batch at a later step() when a slot is free.
+
+        `prefix` continues a partial generation (or one with forced tokens appended): its tokens,
+        log-probs and versions are kept as they are and decoding resumes after its last token. The
+        budget `params.max_new_tokens` counts prefix tokens too.
+        """
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already running or waiting: ids must be unique")
+        prompt = tuple(int(t) for t in prompt_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_ids is empty; give at least one token")
+        self._check_ids(f"request {request_id!r} prompt_ids", prompt)
+        if len(prompt) >= self.max_context:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no room in max_context="
+                f"{self.max_context}; shorten the prompt or raise max_context"
+            )
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        self._check_ids(f"request {request_id!r} params.stop_token_ids", params.stop_token_ids)
+        self._check_stop_strings(request_id, params.stop_strings)
+        request = self._new_request(request_id, prompt, params, prefix)
+        self._waiting.append(request)
+        self._live[request_id] = request
+
+    def step(self) -> list[Generation]:
+        """Admit waiting requests into free slots, decode one token for every running one.
+
+        Returns the requests that finished in this step (EOS / stop token / stop string: "stop";
+        budget or context exhausted: "length").
+        """
+        start = time.perf_counter()
+        with torch.inference_mode():
+            finished = self._admit()
+            n = len(self._running)
+            if n:
+                tokens, logprobs, policy = self._sample(self._decode_forward())
+                finished += self._record(tokens, logprobs, policy)
+        s = self._stats
+        self._stats = replace(
+            s,
+            steps=s.steps + (n > 0),
+            busy_slot_steps=s.busy_slot_steps + n,
+            available_slot_steps=s.available_slot_steps + self.max_batch_size * (n > 0),
+            step_seconds=s.step_seconds + time.perf_counter() - start,
+        )
+        return finished
+
+    def abort(self, request_ids: Sequence[str]) -> list[Generation]:
+        """Stop these requests and return them as partials (finish_reason "abort"), in the given order.
+
+        Ids that are not running or waiting (unknown, or already returned) are skipped.
+        """
+        partials, slots = [], []
+        for request_id in request_ids:
+            request = self._live.get(request_id)
+            if request is None:
+                continue
+            partials.append(self._generation(request, "abort"))
+            if request in self._waiting:
+                self._waiting.remove(request)
+                del self._live[request_id]
+            else:
+                slots.append(self._running.index(request))
+        with torch.inference_mode():
+            self._release(slots)
+        return partials
+
+    def pause(self) -> list[Generation]:
+        """Abort everything running or waiting: the partials to resume after a weight update."""
+        return self.abort([r.request_id for r in self._running] + [r.request_id for r in self._waiting])
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy new weights into the model in place; tokens sampled from now on carry `version`.
+
+        Running requests keep their KV cache (computed under older weights) and go on decoding, as
+        in-flight weight updates do; pause() / resubmit instead to re-read prefixes under the new
+        weights. Names and shapes must match the model's state_dict exactly.
+        """
+        own = self.model.state_dict()
+        missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
+        wrong = [
+            f"{name}: {tuple(state_dict[name].shape)} vs model {tuple(own[name].shape)}"
+            for name in own.keys() & state_dict.keys()
+            if state_dict[name].shape != own[name].shape
+        ]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                "load_weights: state_dict does not match the engine's model: "
+                f"missing {missing[:5]} ({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)}), "
+                f"wrong shapes {wrong[:5]} ({len(wrong)}); send the state_dict of the same architecture"
+            )
+        if version < self._version:
+            raise ValueError(f"load_weights: version {version} is older than the engine's version {self._version}")
+        with torch.no_grad():
+            for name, tensor in own.items():
+                tensor.copy_(state_dict[name])
+        self._version = version
+
+    # ----------------------------------------------------------------------------------------------
+    # Requests
+
+    def _check_ids(self, field: str, ids: Sequence[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise ValueError(f"{field}: token ids {bad[:5]} are outside the vocabulary [0, {self._vocab_size})")
+
+    def _check_stop_strings(self, request_id: str, stop_strings: Sequence[str]) -> None:
+        if stop_strings and self.tokenizer is None:
+            raise ValueError(
+                f"request {request_id!r}: stop_strings {list(stop_strings)} need a tokenizer; pass tokenizer= to Engine"
+            )
+        for s in stop_strings:
+            ids = self.tokenizer.encode(s, add_special_tokens=False)
+            if self.tokenizer.decode(ids) != s:
+                raise ValueError(
+                    f"request {request_id!r}: stop string {s!r} cannot be produced by the tokenizer "
+                    f"(it decodes back as {self.tokenizer.decode(ids)!r}); use text made of tokens the model can emit"
+                )
+
+    def _new_request(
+        self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, prefix: Generation | None
+    ) -> _Request:
+        if prefix is not None:
+            self._check_prefix(request_id, prompt, params, prefix)
+        if prefix is not None and prefix.sampler_state is not None:
+            key = prefix.sampler_state  # the partial's own stream continues where it stopped
+        elif params.seed is not None:
+            key = stream_key(params.seed)
+        else:
+            key = self._draw_key()
+        request = _Request(
+            request_id=request_id,
+            prompt_ids=prompt,
+            params=params,
+            key=key,
+            stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
+            tokens=[],
+            logprobs=[],
+            versions=[],
+            loss_mask=[],
+            policy_logprobs=[] if params.return_policy_logprobs else None,
+            turn_start=0,
+            end=min(len(prompt) + params.max_new_tokens, self.max_context),
+        )
+        if prefix is not None:
+            request.tokens, request.logprobs = list(prefix.token_ids), list(prefix.behavior_logprobs)
+            request.versions, request.loss_mask = list(prefix.policy_versions), list(prefix.loss_mask)
+            if params.return_policy_logprobs:
+                request.policy_logprobs = list(prefix.policy_logprobs)
+            forced = [j for j, m in enumerate(prefix.loss_mask) if m == 0]
+            request.turn_start = forced[-1] + 1 if forced else 0
+        return request
+
+    def _check_prefix(
+        self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, prefix: Generation
+    ) -> None:
+        if prefix.prompt_ids != prompt:
+            raise ValueError(
+                f"request {request_id!r}: prefix.prompt_ids differ from prompt_ids; resume the same prompt"
+            )
+        self._check_ids(f"request {request_id!r} prefix.token_ids", prefix.token_ids)
+        if params.return_policy_logprobs and prefix.policy_logprobs is None:
+            raise ValueError(
+                f"request {request_id!r}: params.return_policy_logprobs is set but the prefix has no policy_logprobs"
+            )
+        if prefix.sampler_state is not None and not isinstance(prefix.sampler_state, int):
+            raise ValueError(
+                f"request {request_id!r}: prefix.sampler_state {prefix.sampler_state!r} was not made by this engine"
+            )
+
+    def _draw_key(self) -> int:
+        return int(torch.randint(0, 2**32, (1,), generator=self._key_rng).item())
+
+    def _generation(self, r: _Request, reason: FinishReason) -> Generation:
+        return Generation(
+            request_id=r.request_id,
+            prompt_ids=r.prompt_ids,
+            token_ids=tuple(r.tokens),
+            behavior_logprobs=tuple(r.logprobs),
+            policy_versions=tuple(r.versions),
+            loss_mask=tuple(r.loss_mask),
+            finish_reason=reason,
+            params=r.params,
+            policy_logprobs=None if r.policy_logprobs is None else tuple(r.policy_logprobs),
+            sampler_state=r.key,
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # Batching
+
+    def _admit(self) -> list[Generation]:
+        """Move waiting requests into free slots; long prompts get a batched prefill forward now.
+
+        Returns the admitted requests that have nothing left to generate (a prefix that already
+        fills the budget or the context).
+        """
+        finished, admitted = [], []
+        while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
+            request = self._waiting.popleft()
+            if request.length >= request.end:
+                del self._live[request.request_id]
+                finished.append(self._generation(request, "length"))
+            else:
+                admitted.append(request)
+        if not admitted:
+            return finished
+        # Long ones first, so the prefill forward writes one contiguous range of slots.
+        long = [r for r in admitted if r.length - 1 > self.prefill_threshold]
+        first = len(self._running)
+        self._running += long + [r for r in admitted if r.length - 1 <= self.prefill_threshold]
+        self._row_tensors = None
+        if long:
+            self._prefill(first, long)
+        return finished
+
+    def _prefill(self, first: int, requests: list[_Request]) -> None:
+        """Write the KV of all but the last known token of each request; the decode step feeds that one."""
+        L = max(r.length - 1 for r in requests)
+        rows = [[*r.prompt_ids, *r.tokens][:-1] for r in requests]
+        input_ids = torch.tensor([row + [self.pad_token_id] * (L - len(row)) for row in rows], device=self._device)
+        # Right padding under a causal mask: real tokens never see the padding after them.
+        causal = torch.ones(L, L, dtype=torch.bool, device=self._device).tril()
+        self._cache.plan_prefill(first, len(requests), L)
+        self.model(
+            input_ids=input_ids,  # (m, L)
+            attention_mask=self._attention_mask(causal[None, None].expand(len(requests), 1, L, L)),
+            position_ids=torch.arange(L, device=self._device)[None].expand(len(requests), L),
+            cache=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for r in requests:
+            r.kv_len = r.length - 1
+
+    def _decode_forward(self) -> torch.Tensor:
+        """One token per running request, each at its own position; returns next-token logits (n, V)."""
+        positions_list = [r.kv_len for r in self._running]
+        positions = torch.tensor(positions_list, device=self._device)  # (n,)
+        kv_length = max(positions_list) + 1
+        # Slot i attends to its own positions 0..kv_len[i]; later positions hold stale values.
+        allowed = torch.arange(kv_length, device=self._device)[None, :] <= positions[:, None]  # (n, L)
+        self._cache.plan_decode(positions, kv_length)
+        out = self.model(
+            input_ids=torch.tensor([r.next_input() for r in self._running], device=self._device)[:, None],  # (n, 1)
+            attention_mask=self._attention_mask(allowed[:, None, None, :]),  # (n, 1, 1, L)
+            position_ids=positions[:, None],  # (n, 1)
+            cache=self._cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1]  # (n, V)
+
+    def _attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        if self._additive_mask_dtype is None:
+            return allowed
+        dtype = self._additive_mask_dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+
+    def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float], list[float] | None]:
+        """Sample every row; rows still reading their prompt draw too, and _record ignores them."""
+        if self._row_tensors is None:
+            params = [r.params for r in self._running]
+            self._row_tensors = (
+                torch.tensor([p.temperature for p in params], device=self._device),
+                torch.tensor([p.top_k for p in params], device=self._device),
+                torch.tensor([p.top_p for p in params], device=self._device),
+                torch.tensor([r.key for r in self._running], device=self._device),
+            )
+        temperature, top_k, top_p, keys = self._row_tensors
+        counters = torch.tensor([len(r.tokens) for r in self._running], device=self._device)  # (n,)
+        logprobs = processed_logprobs(logits, temperature, top_k, top_p)  # (n, V)
+        tokens = sample(logprobs, counter_uniforms(keys, counters))  # (n,)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)  # (n,)
+        policy = None
+        if any(r.policy_logprobs is not None for r in self._running):
+            policy = torch.log_softmax(logits.to(logprobs.dtype), dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
+        return tokens.tolist(), chosen.tolist(), policy
+
+    def _record(self, tokens: list[int], logprobs: list[float], policy: list[float] | None) -> list[Generation]:
+        """Advance every running request by its fed token; keep samples of those done reading."""
+        # The hot loop of the engine: one pass of cheap Python per running request and step.
+        version, done, kept = self._version, [], 0
+        for i, r in enumerate(self._running):
+            r.kv_len += 1
+            if r.kv_len < len(r.prompt_ids) + len(r.tokens):
+                continue  # still reading its prompt: this step's sample is not for it
+            kept += 1
+            token = tokens[i]
+            r.tokens.append(token)
+            r.logprobs.append(logprobs[i])
+            r.versions.append(version)
+            r.loss_mask.append(1)
+            if r.policy_logprobs is not None:
+                r.policy_logprobs.append(policy[i])
+            if token in r.stop_ids or (r.params.stop_strings and self._hits_stop_string(r)):
+                done.append((i, "stop"))
+            elif r.kv_len + 1 >= r.end:  # kv_len + 1 == prompt + tokens now
+                done.append((i, "length"))
+        finished = [self._generation(self._running[i], reason) for i, reason in done]
+        self._release([i for i, _ in done])
+        self._stats = replace(self._stats, sampled_tokens=self._stats.sampled_tokens + kept)
+        return finished
+
+    def _hits_stop_string(self, r: _Request) -> bool:
+        text = self.tokenizer.decode(r.tokens[r.turn_start :])
+        return any(s in text for s in r.params.stop_strings)
+
+    def _release(self, slots: list[int]) -> None:
+        """Drop the requests in these slots; the last running ones move into the holes (KV included)."""
+        if not slots:
+            return
+        gone = set(slots)
+        for i in gone:
+            del self._live[self._running[i].request_id]
+        keep = len(self._running) - len(gone)
+        holes = [i for i in sorted(gone) if i < keep]
+        movers = [i for i in range(keep, len(self._running)) if i not in gone]
+        assert len(holes) == len(movers), f"compaction mismatch: holes {holes}, movers {movers}"
+        self._cache.move(movers, holes, max((self._running[i].kv_len for i in movers), default=0))
+        for hole, mover in zip(holes, movers):
+            self._running[hole] = self._running[mover]
+        del self._running[keep:]
+        self._row_tensors = None

@@ -1,0 +1,63 @@
+"""A preallocated KV cache with one slot per running request, plugged into Hugging Face models.
+
+keys[layer] and values[layer] are (S, H_kv, T, D): slot s holds request s's keys at positions
+0..T-1. Running requests occupy slots 0..n-1 (the engine keeps them compact), so a decoding step
+attends over the view keys[:n, :, :L] without copying or concatenating anything. The cache only
+stores and returns tensors; masks, positions and which token goes where are the engine's business,
+set before each forward with `plan_decode` or `plan_prefill`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class SlotCache(Cache):
+    """KV slots for `num_slots` requests of up to `max_context` tokens, allocated on first use."""
+
+    def __init__(self, num_slots: int, max_context: int):
+        super().__init__(layers=[])
+        self.num_slots, self.max_context = num_slots, max_context
+        self._keys: dict[int, torch.Tensor] = {}  # layer -> (S, H_kv, T, D_k)
+        self._values: dict[int, torch.Tensor] = {}  # layer -> (S, H_kv, T, D_v)
+        self._plan: tuple = ()
+
+    def plan_decode(self, positions: torch.Tensor, kv_length: int) -> None:
+        """Next forward feeds one token to each of slots 0..n-1, at positions (n,); attend over [0, kv_length)."""
+        self._plan = ("decode", positions, torch.arange(len(positions), device=positions.device), kv_length)
+
+    def plan_prefill(self, first_slot: int, num_rows: int, length: int) -> None:
+        """Next forward feeds positions 0..length-1 of slots first_slot..first_slot+num_rows-1 (fresh requests)."""
+        self._plan = ("prefill", first_slot, num_rows, length)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this forward's keys/values (B, H_kv, q, D) and return what attention should read."""
+        if layer_idx not in self._keys:
+            S, T = self.num_slots, self.max_context
+            self._keys[layer_idx] = key_states.new_zeros(S, key_states.shape[1], T, key_states.shape[3])
+            self._values[layer_idx] = value_states.new_zeros(S, value_states.shape[1], T, value_states.shape[3])
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        if self._plan[0] == "decode":
+            _, positions, rows, kv_length = self._plan
+            keys[rows, :, positions] = key_states[:, :, 0]  # (n, H_kv, D) into slot n at its own position
+            values[rows, :, positions] = value_states[:, :, 0]
+            n = len(rows)
+            return keys[:n, :, :kv_length], values[:n, :, :kv_length]
+        _, first, num_rows, length = self._plan
+        keys[first : first + num_rows, :, :length] = key_states
+        values[first : first + num_rows, :, :length] = value_states
+        # A fresh request attends only to its own prompt: exactly the states just computed.
+        return key_states, value_states
+
+    def move(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy slots src[i] -> dst[i] (positions [0, length)); used to keep running requests compact."""
+        if not src or not self._keys:
+            return
+        device = next(iter(self._keys.values())).device
+        src_t, dst_t = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        for store in (self._keys, self._values):
+            for tensor in store.values():
+                tensor[dst_t, :, :length] = tensor[src_t, :, :length]

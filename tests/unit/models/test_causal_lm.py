@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from flashreinforce.models import build_model, load_model, resolve_dtype
+
+
+def test_build_model_is_a_seeded_qwen2_that_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    a = build_model(vocab_size=20, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, seed=7)
+    assert torch.rand(1) == expected_next  # building did not consume the caller's random stream
+    b = build_model(vocab_size=20, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, seed=7)
+    c = build_model(vocab_size=20, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, seed=8)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.model.layers[0].mlp.up_proj.weight, c.model.layers[0].mlp.up_proj.weight)
+    assert a.config.model_type == "qwen2" and a.config.num_hidden_layers == 2
+    assert a.config.intermediate_size == 4 * 32 and a.config._attn_implementation == "sdpa"
+    assert a.lm_head.weight is a.model.embed_tokens.weight  # tied by default
+    assert a.dtype == torch.float32
+
+
+def test_saved_model_loads_back_with_identical_outputs(tmp_path):
+    model = build_model(vocab_size=16, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=0)
+    model.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    ids = torch.tensor([[1, 5, 3, 2]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert load_model(tmp_path, dtype="bf16").dtype == torch.bfloat16
+
+
+def test_bad_arguments_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="num_heads"):
+        build_model(vocab_size=16, hidden_size=30, num_heads=4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        build_model(vocab_size=16, hidden_size=32, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        build_model(vocab_size=16, eos_token_id=16)
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path / "missing")
+    with pytest.raises(ValueError, match="float64x"):
+        resolve_dtype("float64x")

@@ -1,0 +1,29 @@
+import torch
+
+from flashreinforce.rollout.kv_cache import SlotCache
+
+
+def states(rows, heads, q, fill):
+    return torch.full((rows, heads, q, 3), float(fill)), torch.full((rows, heads, q, 3), float(-fill))
+
+
+def test_decode_writes_each_slot_at_its_own_position_and_returns_a_view():
+    cache = SlotCache(num_slots=4, max_context=8)
+    cache.plan_prefill(first_slot=0, num_rows=2, length=3)
+    k, v = cache.update(*states(2, 2, 3, fill=1), layer_idx=0)
+    assert k.shape == (2, 2, 3, 3)  # a fresh prefill attends to its own states only
+    cache.plan_decode(torch.tensor([3, 1]), kv_length=4)
+    k, v = cache.update(*states(2, 2, 1, fill=7), layer_idx=0)
+    assert k.shape == (2, 2, 4, 3) and k.data_ptr() == cache._keys[0].data_ptr()  # no copy
+    assert k[0, 0, :, 0].tolist() == [1, 1, 1, 7] and k[1, 0, :, 0].tolist() == [1, 7, 1, 0]
+    assert v[1, 1, 1, 0] == -7
+
+
+def test_move_copies_slots_to_keep_running_requests_compact():
+    cache = SlotCache(num_slots=3, max_context=4)
+    cache.plan_prefill(first_slot=0, num_rows=3, length=2)
+    keys = torch.arange(3.0)[:, None, None, None].expand(3, 1, 2, 3).clone()
+    cache.update(keys, -keys, layer_idx=0)
+    cache.move(src=[2], dst=[0], length=2)
+    assert cache._keys[0][:, 0, :2, 0].tolist() == [[2, 2], [1, 1], [2, 2]]
+    assert cache._values[0][0, 0, 0, 0] == -2
