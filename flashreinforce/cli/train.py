@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
 import yaml
 
 from flashreinforce.algorithms.dapo import dynamic_sampling_keep
@@ -46,6 +47,9 @@ from flashreinforce.trainer.sft import sft_warm_start
 from flashreinforce.trainer.trainer import OptimizerSettings, OverlongShaping, Trainer, WPSMSettings
 from flashreinforce.types import Prompt, SamplingParams, Trajectory
 from flashreinforce.verifiers.pool import VerifierPool
+
+# Our own progress display is enough; transformers would add a bar for every checkpoint it writes.
+transformers.utils.logging.disable_progress_bar()
 
 
 @dataclass(frozen=True)
@@ -309,13 +313,8 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
             overlap=overlap,
         )
         progress = reporter.training(total=config.trainer.steps, completed=trainer.version)
-        tokens_before = [engine.stats.sampled_tokens, time.perf_counter()]
 
         def on_step(version: int, metrics: dict[str, float], batch: Sequence[Trajectory]) -> None:
-            now = time.perf_counter()
-            tokens = metrics.get("engine/sampled_tokens", 0.0)
-            metrics["throughput/tokens_per_second"] = (tokens - tokens_before[0]) / max(now - tokens_before[1], 1e-9)
-            tokens_before[:] = [tokens, now]
             if "eval/avg@k" in metrics:
                 last_eval.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
             sink.log(version, metrics)

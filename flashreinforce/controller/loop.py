@@ -78,6 +78,7 @@ class RLLoop:
         self.version = version
         self.inflight: dict[str, RolloutTask] = {}
         self._step_started = time.perf_counter()
+        self._tokens_at_step_start = backend.stats().get("engine/sampled_tokens", 0.0)
 
     # ---- the loop -------------------------------------------------------------------------------------
 
@@ -165,10 +166,16 @@ class RLLoop:
             self.scheduler.on_aborted(self.inflight.pop(partial.request_id), partial)
         keep = [p for p in partials if p.request_id not in dropped]
         now = time.perf_counter()
-        metrics = {**metrics, **self.scheduler.stats(), **self.backend.stats(), "time/step_seconds": now - self._step_started}
-        self._step_started = now
+        metrics = {**metrics, **self.scheduler.stats(), **self.backend.stats()}
+        # Rollout throughput between two weight pushes; evaluation time is kept out of it.
+        tokens = metrics.get("engine/sampled_tokens", 0.0)
+        metrics["time/step_seconds"] = now - self._step_started
+        metrics["throughput/tokens_per_second"] = (tokens - self._tokens_at_step_start) / max(now - self._step_started, 1e-9)
         if self.evaluate is not None and self.settings.eval_every and self.version % self.settings.eval_every == 0:
             metrics.update(await self.evaluate(self.version))
+            metrics["time/eval_seconds"] = time.perf_counter() - now
+        self._step_started = time.perf_counter()
+        self._tokens_at_step_start = self.backend.stats().get("engine/sampled_tokens", 0.0)
         self.on_step(self.version, metrics, batch)
         final = self.version >= self.settings.total_steps
         if final or (self.settings.checkpoint_every and self.version % self.settings.checkpoint_every == 0):

@@ -1,0 +1,19 @@
+"""The main job as a user runs it: `flashreinforce train` with no recipe, end to end (about 4 minutes)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_default_recipe_gains_twenty_points_in_ten_minutes(tmp_path):
+    run_dir = tmp_path / "default"
+    subprocess.run([sys.executable, "-m", "flashreinforce", "train", "--output", str(run_dir)], check=True,
+                   timeout=900)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 20 <= summary["initial_accuracy"] <= 50, "the warm start should be imperfect"
+    assert summary["final_accuracy"] >= summary["initial_accuracy"] + 20, summary
+    assert summary["wall_seconds"] <= 600, summary
+    assert summary["trained_trajectories"] == 300 * 128 and not summary["dropped_trajectories"]
