@@ -27,8 +27,10 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from machine import Machine
 from transformers import DynamicCache
 
 from flashreinforce.models import build_model
@@ -118,8 +120,10 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=32, help="typical new tokens of a short request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--png", default="bench-out/engine.png", help="where to save the plot")
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run: tiny model, one batch, once")
     args = parser.parse_args()
+    machine = Machine.measure()
     if args.quick:
         args.hidden, args.layers, args.requests, args.short, args.repeats = 64, 2, args.batch, 16, 1
 
@@ -160,28 +164,46 @@ def main() -> None:
                 args.batch * max(lengths[i : i + args.batch]) for i in range(0, len(lengths), args.batch)
             ),
         },
-        "threads": torch.get_num_threads(),
+        "machine": machine.as_dict(),
         "methods": rows,
         "engine_speedup_vs_generate": speedup,
         "engine_overhead_vs_bare": overhead,
     }
-    print(
-        f"model {params / 1e6:.2f}M params (hidden {args.hidden}, {args.layers} layers), {args.requests} requests, "
-        f"batch {args.batch}, {sum(lengths)} useful tokens, torch threads {torch.get_num_threads()}"
-    )
-    print(f"{'method':<10}{'useful tok':>11}{'best s':>9}{'tok/s':>9}{'median tok/s':>14}{'slot util':>11}")
+    print(machine.describe())
+    machine.warn_if_busy()
+    print(f"model {params / 1e6:.2f}M params (hidden {args.hidden}, {args.layers} layers), {args.requests} requests, "
+          f"{args.batch} slots, {sum(lengths)} useful tokens, best of {args.repeats}\n")
+    print("| method | useful tokens | best s | tok/s | median tok/s | slot utilization |")
+    print("|---|---|---|---|---|---|")
     for name, row in rows.items():
         util = f"{row['slot_utilization']:.0%}" if name == "engine" else "-"
-        print(
-            f"{name:<10}{row['useful_tokens']:>11}{row['best_seconds']:>9.2f}{row['tokens_per_second']:>9.0f}"
-            f"{row['median_tokens_per_second']:>14.0f}{util:>11}"
-        )
-    print(f"engine while all slots are busy: {rows['engine']['full_batch_tokens_per_second']:.0f} tok/s")
+        print(f"| {name} | {row['useful_tokens']} | {row['best_seconds']:.2f} | {row['tokens_per_second']:.0f} | "
+              f"{row['median_tokens_per_second']:.0f} | {util} |")
+    print(f"\nengine while all slots are busy: {rows['engine']['full_batch_tokens_per_second']:.0f} tok/s")
     print(f"engine vs generate: {speedup:.2f}x useful tokens/s (goal >= 3x); engine overhead vs bare loop: "
           f"{overhead:.2f}x (goal <= 1.5x)")
+    plot(rows, args.png)
+    print(f"wrote {args.png}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def plot(rows: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5, 3.5))
+    names = list(rows)
+    axis.bar(names, [rows[n]["tokens_per_second"] for n in names], color=["#999999", "#1f77b4", "#bbbbbb"])
+    axis.set_ylabel("useful tokens / s (best run)")
+    axis.set_title("long-tailed generation on the CPU")
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 if __name__ == "__main__":

@@ -4,18 +4,20 @@ B = 128 rows; T in {1024, 8192}; float32 and bfloat16 log-probs; "base" is q = 1
 half of the rows marked failed. Rows have random lengths in [T/2, T] and every row is admitted, so both
 paths do all their work. Reports the median of several repetitions after warmup.
 
-    python benchmarks/loss.py [--quick] [--json FILE] [--threads N]
+    python benchmarks/loss.py [--quick] [--json FILE] [--png FILE] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
+from pathlib import Path
+
 import torch
+from machine import Machine
 
 from flashreinforce import flashreinforce_loss
 
@@ -61,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T in {256, 1024}, fewer repetitions")
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--png", metavar="FILE", default="bench-out/loss.png", help="where to save the plot")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 is steadier on a "
                         "busy machine, where every multi-threaded op waits for a descheduled thread")
     args = parser.parse_args()
@@ -68,14 +71,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     widths, repeats, warmup = ((256, 1024), 5, 1) if args.quick else ((1024, 8192), 15, 3)
-    load = os.getloadavg()[0]
-    machine = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_average_1m": load,
-               "torch": torch.__version__}
-    print(f"machine: {machine['cpu_count']} cores, {machine['torch_threads']} torch threads, "
-          f"load average {load:.2f}, torch {torch.__version__}; B={BATCH}, median of {repeats} after {warmup} warmup")
-    if load > 0.5:
-        print(f"WARNING: load average {load:.2f} > 0.5: other work is running, timings are noisy "
-              "(try --threads 1)")
+    machine = Machine.measure()
+    print(f"{machine.describe()}\nB={BATCH}, median of {repeats} after {warmup} warmup")
+    machine.warn_if_busy()
 
     rows = []
     print("\n| T | dtype | path | ms fwd+bwd | ratio filter/base |\n|---|---|---|---|---|")
@@ -89,11 +87,35 @@ def main() -> None:
             rows.append({"T": width, "dtype": name, "base_ms": base, "filter_ms": filtered,
                          "ratio_filter_over_base": filtered / base})
 
+    plot(rows, args.png)
+    print(f"\nwrote {args.png}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "batch": BATCH, "repeats": repeats, "warmup": warmup, "results": rows},
-                      f, indent=2)
-        print(f"\nwrote {args.json}")
+            json.dump({"machine": machine.as_dict(), "batch": BATCH, "repeats": repeats, "warmup": warmup,
+                       "results": rows}, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"T={r['T']}\n{r['dtype']}" for r in rows]
+    x = range(len(rows))
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    axis.bar([i - 0.2 for i in x], [r["base_ms"] for r in rows], width=0.4, label="base (q=1)")
+    axis.bar([i + 0.2 for i in x], [r["filter_ms"] for r in rows], width=0.4, label=f"entropy filter (q={FILTER_FRACTION})")
+    axis.set_xticks(list(x), labels)
+    axis.set_ylabel("ms forward + backward (B=128)")
+    axis.set_yscale("log")
+    axis.set_title("flashreinforce_loss on the CPU")
+    axis.legend()
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 if __name__ == "__main__":

@@ -90,16 +90,19 @@ def _plot(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    import runpy
+    import subprocess
 
     scripts = Path(__file__).resolve().parents[2] / "benchmarks"
-    script = scripts / f"{args.name.replace('-', '_')}.py"
-    if not script.is_file():
-        known = sorted(p.stem.replace("_", "-") for p in scripts.glob("*.py")) if scripts.is_dir() else []
+    # A benchmark is a script there that runs as __main__ (helper modules beside them are not).
+    runnable = {p.stem.replace("_", "-"): p for p in sorted(scripts.glob("*.py"))
+                if 'if __name__ == "__main__":' in p.read_text()} if scripts.is_dir() else {}
+    script = runnable.get(args.name)
+    if script is None:
+        known = sorted(runnable)
         raise ValueError(f"no benchmark {args.name!r}" + (f"; available: {', '.join(known)}" if known else
                          " (benchmarks ship with a source checkout, not the installed package)"))
-    sys.argv = [str(script), *args.rest]
-    runpy.run_path(str(script), run_name="__main__")
+    # A fresh interpreter, as `python benchmarks/NAME.py` would be: the benchmark owns its threads and memory.
+    raise SystemExit(subprocess.call([sys.executable, str(script), *args.rest]))
 
 
 def build_parser() -> argparse.ArgumentParser:

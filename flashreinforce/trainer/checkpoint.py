@@ -53,9 +53,9 @@ def save_checkpoint(
     """
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step_{step:06d}"
+    for leftover in directory.glob("step_*.tmp*"):  # torn writes of a process killed mid-save
+        shutil.rmtree(leftover)
     staging = directory / f"step_{step:06d}.tmp{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
     staging.mkdir()
     write_model(staging / "model")
     torch.save(trainer_state, staging / "trainer.pt")

@@ -55,8 +55,10 @@ def test_default_loop_writes_a_complete_run_directory(tiny_run, tmp_path):
         ["algo.loss=gspo", "scheduler.group_size=2", "scheduler.batch_groups=4", "scheduler.kind=urb"],
         ["algo.loss=dapo", "scheduler.group_size=4", "scheduler.batch_groups=2", "algo.dynamic_sampling=true",
          "algo.overlong={max_length: 40, cache: 10}"],
+        ["algo.loss=misc", "scheduler.group_size=2", "scheduler.batch_groups=4",
+         "algo.wpsm={tau: 0.2, eta: 0.5}", "scheduler.kind=april", "scheduler.mask_offpolicy=true"],
     ],
-    ids=["sync", "april", "urb", "stream-drop", "grpo", "gspo-urb", "dapo"],
+    ids=["sync", "april", "urb", "stream-drop", "grpo", "gspo-urb", "dapo", "misc-wpsm-april"],
 )
 def test_every_scheduler_and_group_loss_trains(tiny_run, tmp_path, overrides):
     config = load_config(None, [*tiny_run, "trainer.steps=2", "eval.num_prompts=4", "log.tensorboard=false",
@@ -65,3 +67,16 @@ def test_every_scheduler_and_group_loss_trains(tiny_run, tmp_path, overrides):
     assert summary["optimizer_steps"] == 2
     assert summary["trained_trajectories"] == 2 * config.scheduler.batch_groups * config.scheduler.group_size or \
         config.algo.dynamic_sampling
+
+
+def test_sft_command_saves_a_loadable_warm_start_and_scores_it(tiny_run, tmp_path):
+    sft_overrides = [o for o in tiny_run if not o.startswith(("trainer.", "scheduler."))]
+    main(["sft", *sft_overrides, "--output", str(tmp_path / "warm")])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "warm" / "sft")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "warm" / "sft")
+    assert model.config.vocab_size == len(tokenizer)
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("<think>1+2=3;</think>3"))[0] == "<think>"
+    report = json.loads((tmp_path / "warm" / "sft_eval.json").read_text())
+    assert report["model"].endswith("sft") and "eval/avg@k" in report

@@ -130,6 +130,7 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
         save_checkpoint(tmp_path, step, write_model=write_model, trainer_state={"version": step},
                         controller_state={"inflight": []}, meta={"wall_seconds": 1.0}, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]
+    assert not list(tmp_path.glob("*.tmp*")), "the next save clears torn writes"
     assert latest_checkpoint(tmp_path).name == "step_000003"
     trainer_state, controller_state, meta = load_states(tmp_path / "step_000003")
     assert trainer_state == {"version": 3} and meta["step"] == 3
