@@ -18,8 +18,8 @@ import dataclasses
 import math
 from itertools import compress
 
-from flashreinforce.buffer.book import (Group, GroupBook, GroupFilter, PromptAt, RolloutTask, check_state,
-                                        check_step, group_from_state, group_state, train_batch)
+from flashreinforce.buffer.book import (Group, GroupBook, GroupFilter, PromptAt, RolloutTask, restore_scheduler_state,
+                                        check_step, group_from_state, group_state, scheduler_state, train_batch)
 from flashreinforce.buffer.ledger import Ledger
 from flashreinforce.types import Generation, RolloutKey, Trajectory
 
@@ -78,16 +78,12 @@ class AprilScheduler:
         return {**self.book.stats(), "buffer/ready_groups": len(self._ready), **self._lag}
 
     def state_dict(self) -> dict:
-        return {"kind": "april", "options": self._options(), "book": self.book.state_dict(),
-                "ledger": self.ledger.state_dict(), "ready": [group_state(g) for g in self._ready],
-                "last_step": self._last_step, "lag": dict(self._lag)}
+        return scheduler_state("april", self._options(), self.book, self._last_step, self._lag,
+                               ready=[group_state(g) for g in self._ready])
 
     def load_state_dict(self, state: dict) -> None:
-        check_state(state, "april", self._options())
-        self.ledger.load_state_dict(state["ledger"])
-        self.book.load_state_dict(state["book"])
+        self._last_step, self._lag = restore_scheduler_state(state, "april", self._options(), self.book)
         self._ready = [group_from_state(g, self.book.prompt_at) for g in state["ready"]]
-        self._last_step, self._lag = state["last_step"], dict(state["lag"])
 
     def _options(self) -> dict:
         return {"batch_groups": self.batch_groups, "group_size": self.book.group_size,

@@ -291,6 +291,20 @@ def check_step(version: int, last_step: int | None) -> None:
                          "step the learner, push the weights and pass the new version")
 
 
+def scheduler_state(kind: str, options: dict, book: GroupBook, last_step: int | None, lag: dict, **own) -> dict:
+    """A scheduler's checkpoint: what every kind saves (book, ledger, last step, lag), plus its own fields."""
+    return {"kind": kind, "options": options, "book": book.state_dict(), "ledger": book.ledger.state_dict(),
+            "last_step": last_step, "lag": dict(lag), **own}
+
+
+def restore_scheduler_state(state: dict, kind: str, options: dict, book: GroupBook) -> tuple[int | None, dict]:
+    """Load the common part of `scheduler_state` into `book` (and its ledger); returns (last_step, lag)."""
+    check_state(state, kind, options)
+    book.ledger.load_state_dict(state["ledger"])
+    book.load_state_dict(state["book"])
+    return state["last_step"], dict(state["lag"])
+
+
 def check_state(state: dict, kind: str, options: dict) -> None:
     """A checkpoint restores only into a scheduler built with the same kind and options."""
     if state["kind"] != kind:

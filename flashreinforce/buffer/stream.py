@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from flashreinforce.buffer.book import (Group, GroupBook, GroupFilter, PromptAt, RolloutTask, check_state,
-                                        check_step, group_from_state, group_state, train_batch)
+from flashreinforce.buffer.book import (Group, GroupBook, GroupFilter, PromptAt, RolloutTask, restore_scheduler_state,
+                                        check_step, group_from_state, group_state, scheduler_state, train_batch)
 from flashreinforce.buffer.ledger import Ledger
 from flashreinforce.types import Generation, RolloutKey, Trajectory
 
@@ -129,16 +129,12 @@ class StreamScheduler:
                 "buffer/outstanding_groups": self.outstanding_groups, **self._lag}
 
     def state_dict(self) -> dict:
-        return {"kind": "stream", "options": self._options(), "book": self.book.state_dict(),
-                "ledger": self.ledger.state_dict(), "ready": [group_state(g) for g in self._ready],
-                "last_step": self._last_step, "lag": dict(self._lag)}
+        return scheduler_state("stream", self._options(), self.book, self._last_step, self._lag,
+                               ready=[group_state(g) for g in self._ready])
 
     def load_state_dict(self, state: dict) -> None:
-        check_state(state, "stream", self._options())
-        self.ledger.load_state_dict(state["ledger"])
-        self.book.load_state_dict(state["book"])
+        self._last_step, self._lag = restore_scheduler_state(state, "stream", self._options(), self.book)
         self._ready = [group_from_state(g, self.book.prompt_at) for g in state["ready"]]
-        self._last_step, self._lag = state["last_step"], dict(state["lag"])
 
     def _options(self) -> dict:
         return {"batch_groups": self.batch_groups, "group_size": self.book.group_size,

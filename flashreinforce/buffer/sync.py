@@ -8,8 +8,9 @@ trained with lag 0 and the slowest rollout sets the pace. A filtered group is re
 
 from __future__ import annotations
 
-from flashreinforce.buffer.book import (Group, GroupBook, GroupFilter, PromptAt, RolloutTask, check_state, check_step,
-                                        group_from_state, group_state, train_batch)
+from flashreinforce.buffer.book import (Group, GroupBook, GroupFilter, PromptAt, RolloutTask, check_step,
+                                        group_from_state, group_state, restore_scheduler_state, scheduler_state,
+                                        train_batch)
 from flashreinforce.buffer.ledger import Ledger
 from flashreinforce.types import Generation, RolloutKey, Trajectory
 
@@ -58,16 +59,12 @@ class SyncScheduler:
         return {**self.book.stats(), "buffer/ready_groups": len(self._kept), **self._lag}
 
     def state_dict(self) -> dict:
-        return {"kind": "sync", "options": self._options(), "book": self.book.state_dict(),
-                "ledger": self.ledger.state_dict(), "kept": [group_state(g) for g in self._kept],
-                "last_step": self._last_step, "lag": dict(self._lag)}
+        return scheduler_state("sync", self._options(), self.book, self._last_step, self._lag,
+                               kept=[group_state(g) for g in self._kept])
 
     def load_state_dict(self, state: dict) -> None:
-        check_state(state, "sync", self._options())
-        self.ledger.load_state_dict(state["ledger"])
-        self.book.load_state_dict(state["book"])
+        self._last_step, self._lag = restore_scheduler_state(state, "sync", self._options(), self.book)
         self._kept = [group_from_state(g, self.book.prompt_at) for g in state["kept"]]
-        self._last_step, self._lag = state["last_step"], dict(state["lag"])
 
     def _options(self) -> dict:
         return {"batch_groups": self.batch_groups, "group_size": self.book.group_size}

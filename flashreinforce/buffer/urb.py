@@ -16,8 +16,8 @@ group of D_t is filtered, take_batch returns [] and consumes D_t: the controller
 
 from __future__ import annotations
 
-from flashreinforce.buffer.book import (Group, GroupBook, GroupFilter, PromptAt, RolloutTask, check_state,
-                                        check_step, group_from_state, group_state, train_batch)
+from flashreinforce.buffer.book import (Group, GroupBook, GroupFilter, PromptAt, RolloutTask, restore_scheduler_state,
+                                        check_step, group_from_state, group_state, scheduler_state, train_batch)
 from flashreinforce.buffer.ledger import Ledger
 from flashreinforce.types import Generation, RolloutKey, Trajectory
 
@@ -85,22 +85,17 @@ class URBScheduler:
                 "buffer/iteration": self.iteration, "buffer/queries_in_infer": self.queries_in_infer, **self._lag}
 
     def state_dict(self) -> dict:
-        return {"kind": "urb", "options": self._options(), "book": self.book.state_dict(),
-                "ledger": self.ledger.state_dict(), "iteration": self.iteration,
-                "done": [group_state(g) for g in self._done.values() if g is not None],
-                "filtered": [p for p, g in self._done.items() if g is None],
-                "last_step": self._last_step, "lag": dict(self._lag)}
+        return scheduler_state("urb", self._options(), self.book, self._last_step, self._lag, iteration=self.iteration,
+                               done=[group_state(g) for g in self._done.values() if g is not None],
+                               filtered=[p for p, g in self._done.items() if g is None])
 
     def load_state_dict(self, state: dict) -> None:
-        check_state(state, "urb", self._options())
-        self.ledger.load_state_dict(state["ledger"])
-        self.book.load_state_dict(state["book"])
+        self._last_step, self._lag = restore_scheduler_state(state, "urb", self._options(), self.book)
         self.iteration = state["iteration"]
         self._done = {p: None for p in state["filtered"]}
         for entry in state["done"]:
             group = group_from_state(entry, self.book.prompt_at)
             self._done[group.position] = group
-        self._last_step, self._lag = state["last_step"], dict(state["lag"])
 
     def _options(self) -> dict:
         return {"batch_groups": self.batch_groups, "group_size": self.book.group_size,
