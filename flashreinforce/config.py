@@ -229,6 +229,9 @@ class VerifierConfig(_Section):
     """Verifier processes kept alive."""
     max_workers: int = Field(2, ge=1)
     """Verifier processes the pool may grow to while CPUs are idle."""
+    memory_limit_mb: int | None = Field(4096, ge=64)
+    """Address-space cap of each verifier process: a reward that allocates past it scores 0 with reason
+    "crash: ..." instead of swapping the machine (None = no cap)."""
 
 
 class BackendConfig(_Section):
@@ -367,7 +370,11 @@ def read_recipe(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Recipe YAML + dotted overrides -> a validated RunConfig, or ValueError naming the field."""
-    tree = read_recipe(resolve_recipe(recipe))
+    return config_from_tree(read_recipe(resolve_recipe(recipe)), overrides)
+
+
+def config_from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A parsed YAML tree (a recipe, or a run's saved config.yaml) + dotted overrides -> a validated RunConfig."""
     for text in overrides:
         keys, value = parse_override(text)
         _set_dotted(tree, keys, value)

@@ -13,7 +13,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass, field
 from itertools import compress
-from typing import Callable
+from collections.abc import Callable
 
 from flashreinforce.buffer.ledger import Ledger
 from flashreinforce.types import Generation, Prompt, RolloutKey, Trajectory

@@ -30,8 +30,7 @@ def _split_recipe(items: list[str]) -> tuple[str | None, list[str]]:
 
 def _train(args: argparse.Namespace) -> None:
     from flashreinforce.cli.train import read_run_config, run_training
-    from flashreinforce.config import RunConfig, _merge, dump_config, format_validation_error, load_config, \
-        parse_override, _set_dotted
+    from flashreinforce.config import config_from_tree, dump_config, load_config
 
     recipe, overrides = _split_recipe(args.items)
     if args.deterministic:
@@ -39,21 +38,12 @@ def _train(args: argparse.Namespace) -> None:
     if args.resume is not None:
         if recipe is not None:
             raise ValueError("--resume continues a run with its saved config.yaml; give overrides only, not a recipe")
-        from pydantic import ValidationError
-
-        tree = read_run_config(args.resume)
-        for text in overrides:
-            _set_dotted(tree, *parse_override(text))
-        try:
-            config = RunConfig.model_validate(tree)
-        except ValidationError as error:
-            raise ValueError(format_validation_error(error)) from None
+        config = config_from_tree(read_run_config(args.resume), overrides)
     else:
         config = load_config(recipe, overrides)
     if args.dry_run:
         print(dump_config(config), end="")
         return
-    del _merge
     run_training(config, run_dir=args.resume or args.output, resume=args.resume is not None)
 
 

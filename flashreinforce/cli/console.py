@@ -92,8 +92,8 @@ class Reporter:
         gain = summary["final_accuracy"] - summary["initial_accuracy"]
         k = summary["eval_k"]
         rows = [
-            ("held-out avg@%d before RL" % k, f"{summary['initial_accuracy']:.1f}%"),
-            ("held-out avg@%d after RL" % k, f"{summary['final_accuracy']:.1f}% ({gain:+.1f} points)"),
+            (f"held-out avg@{k} before RL", f"{summary['initial_accuracy']:.1f}%"),
+            (f"held-out avg@{k} after RL", f"{summary['final_accuracy']:.1f}% ({gain:+.1f} points)"),
             ("optimizer steps", str(summary["optimizer_steps"])),
             ("trained trajectories", str(summary["trained_trajectories"])),
             ("dropped trajectories", ", ".join(f"{k}: {v}" for k, v in summary["dropped_trajectories"].items()) or "0"),

@@ -9,7 +9,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from flashreinforce.cli.train import build_engine, load_data, read_run_config
-from flashreinforce.config import RunConfig, load_config
+from flashreinforce.config import config_from_tree, load_config
 from flashreinforce.controller.local import LocalBackend
 from flashreinforce.data.loaders import load_prompts
 from flashreinforce.envs.single_turn import TextEpisodes
@@ -51,7 +51,7 @@ def evaluate_checkpoint(
     model_dir, run_dir = resolve_model_dir(Path(path))
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir} holds no model yet (the run has no checkpoint and no warm start)")
-    config = RunConfig.model_validate(read_run_config(run_dir)) if run_dir is not None else load_config(recipe)
+    config = config_from_tree(read_run_config(run_dir)) if run_dir is not None else load_config(recipe)
     prompts = load_prompts(data).prompts if data is not None else load_data(config).eval
     prompts = prompts[: num_prompts or config.eval.num_prompts]
     max_new_tokens = max_new_tokens or config.rollout.max_new_tokens
@@ -70,7 +70,8 @@ def evaluate_checkpoint(
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
 
     async def run() -> dict:
-        with VerifierPool([config.verifier.reward_fn], timeout_s=config.verifier.timeout_s) as pool:
+        with VerifierPool([config.verifier.reward_fn], timeout_s=config.verifier.timeout_s,
+                          memory_limit_mb=config.verifier.memory_limit_mb) as pool:
             backend = LocalBackend(engine, None, pool, tokenizer, overlap=False)
             report = await evaluate(backend, episodes, prompts, k=k, params=params, seed=seed)
             await backend.close()

@@ -268,6 +268,7 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
         timeout_s=config.verifier.timeout_s,
         min_workers=config.verifier.min_workers,
         max_workers=config.verifier.max_workers,
+        memory_limit_mb=config.verifier.memory_limit_mb,
     )
     overlap = not config.deterministic
     backend = LocalBackend(engine, trainer, pool, tokenizer, overlap=overlap)

@@ -80,3 +80,25 @@ def test_sft_command_saves_a_loadable_warm_start_and_scores_it(tiny_run, tmp_pat
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode("<think>1+2=3;</think>3"))[0] == "<think>"
     report = json.loads((tmp_path / "warm" / "sft_eval.json").read_text())
     assert report["model"].endswith("sft") and "eval/avg@k" in report
+
+
+def test_a_reward_function_that_raises_or_hangs_is_counted_and_the_run_goes_on(tiny_run, tmp_path):
+    rewards = tmp_path / "flaky_rewards.py"
+    rewards.write_text(
+        "import time\n"
+        "def reward(completion, ground_truth, prompt):\n"
+        "    n = int(prompt.id.rsplit('/', 1)[1])\n"
+        "    if n % 3 == 0:\n"
+        "        raise RuntimeError('boom')\n"
+        "    if n % 3 == 1:\n"
+        "        time.sleep(30)\n"
+        "    return completion.endswith(ground_truth)\n"
+    )
+    config = load_config(None, [*tiny_run, "trainer.steps=2", "eval.num_prompts=3", "eval.k=1",
+                                f"verifier.reward_fn={rewards}:reward", "verifier.timeout_s=0.3",
+                                "verifier.max_workers=2", "log.tensorboard=false"])
+    summary = run_training(config, run_dir=tmp_path / "run")
+    assert summary["optimizer_steps"] == 2 and summary["trained_trajectories"] == 16
+    reasons = summary["verifier"]
+    assert reasons.get("reason/timeout", 0) > 0, reasons
+    assert any(k.startswith("reason/error") and v > 0 for k, v in reasons.items()), reasons

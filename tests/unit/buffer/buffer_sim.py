@@ -13,7 +13,7 @@ from __future__ import annotations
 import pickle
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from flashreinforce.buffer import RolloutTask, Scheduler, build_scheduler
 from flashreinforce.types import (FORCED_VERSION, Generation, Prompt, RolloutKey, SamplingParams, Trajectory,
