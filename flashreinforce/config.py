@@ -159,13 +159,24 @@ class HintConfig(_Section):
     p_initial: float = Field(..., ge=0, le=1)
     """Fraction of the reference think revealed at step 0."""
     gamma: float = Field(..., ge=0)
-    """Decay rate of the revealed fraction."""
+    """Decay rate: p_hint = p_initial * exp(-gamma * step * pass_initial)."""
     k: int = Field(4, ge=1)
     """pass@k of the warm-start model that drives each prompt's decay."""
+    samples: int = Field(8, ge=1)
+    """Samples per training prompt for the unbiased pass@k estimate, drawn once before RL (cost: this many
+    generations per training prompt with a reference think)."""
     pass_threshold: float = Field(0.5, ge=0, le=1)
     """Only prompts whose initial pass@k is at most this are hinted."""
     pass_floor: float = Field(0.0, ge=0, le=1)
     """max(pass, floor) in the decay, so prompts the model never solves still anneal (0 = literal)."""
+    think_open: str = "<think>"
+    """Text that opens the think section, put before the hint when the prompt does not end with it."""
+
+    @model_validator(mode="after")
+    def _enough_samples(self) -> HintConfig:
+        if self.samples < self.k:
+            raise ValueError(f"samples ({self.samples}) must be >= k ({self.k}) to estimate pass@k")
+        return self
 
 
 class AlgoConfig(_Section):

@@ -28,6 +28,7 @@ import transformers
 import yaml
 
 from flashreinforce.algorithms.dapo import dynamic_sampling_keep
+from flashreinforce.algorithms.passk import pass_at_k
 from flashreinforce.buffer import build_scheduler, scheduler_options
 from flashreinforce.config import RunConfig, dump_config
 from flashreinforce.cli.console import Reporter
@@ -36,6 +37,7 @@ from flashreinforce.controller.loop import LoopSettings, RLLoop
 from flashreinforce.data.arithmetic import ALPHABET, THINK_CLOSE, THINK_OPEN, make_arithmetic_splits, render_target
 from flashreinforce.data.loaders import load_prompts
 from flashreinforce.data.order import PromptOrder
+from flashreinforce.envs.hints import HintedPrompts
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.eval.evaluate import EvalReport, evaluate
 from flashreinforce.metrics.plots import plot_run
@@ -204,8 +206,6 @@ def _check_supported(config: RunConfig) -> None:
     if config.env.kind != "math":
         raise ValueError(f"env.kind={config.env.kind} (multi-turn agents) is not available in this build yet; "
                          "use env.kind=math")
-    if config.algo.hints is not None:
-        raise ValueError("algo.hints (AHRL) is not wired into the training loop yet; remove algo.hints")
 
 
 def _sample_rows(batch: Sequence[Trajectory], episodes: TextEpisodes, count: int) -> list[dict[str, Any]]:
@@ -337,8 +337,21 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
         async def evaluate_during(version: int) -> dict[str, float]:
             return (await held_out(version)).metrics()
 
+        hints = None
+        if config.algo.hints is not None:
+            hints = HintedPrompts(
+                episodes,
+                await initial_pass_rates(config, run_dir, backend, episodes, data.train, sampling, reporter),
+                p_initial=config.algo.hints.p_initial,
+                gamma=config.algo.hints.gamma,
+                pass_threshold=config.algo.hints.pass_threshold,
+                pass_floor=config.algo.hints.pass_floor,
+                think_open=config.algo.hints.think_open,
+            )
+            reporter.note(f"AHRL: {sum(hints.qualifies(p) for p in data.train)} of {len(data.train)} training "
+                          "prompts qualify for hints")
         loop = RLLoop(backend, scheduler, episodes, settings, on_step=on_step, on_checkpoint=on_checkpoint,
-                      evaluate=evaluate_during, version=trainer.version)
+                      evaluate=evaluate_during, hints=hints, version=trainer.version)
         if controller_state is not None:
             await loop.restore(controller_state)
             reporter.note(f"resumed from {checkpoint} at step {trainer.version} "
@@ -376,6 +389,24 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
         sink.close()
         await backend.close()
         pool.close()
+
+
+async def initial_pass_rates(config: RunConfig, run_dir: Path, backend: LocalBackend, episodes: TextEpisodes,
+                             prompts: Sequence[Prompt], sampling: SamplingParams, reporter: Reporter) -> dict[str, float]:
+    """AHRL's pass_x^initial: unbiased pass@k of the warm-start model on every training prompt with a reference
+    think, from `hints.samples` samples each; measured once (before the first RL step) and kept in the run."""
+    path = run_dir / "pass_initial.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    hints = config.algo.hints
+    candidates = [p for p in prompts if p.reference_think is not None]
+    if not candidates:
+        raise ValueError("algo.hints is set but no training prompt has a reference think (extra_info.reference_think)")
+    with reporter.status(f"AHRL: pass@{hints.k} of the warm start on {len(candidates)} training prompts"):
+        report = await evaluate(backend, episodes, candidates, k=hints.samples, params=sampling, seed=config.seed + 1)
+    rates = {pid: pass_at_k(hints.samples, correct, hints.k) for pid, correct in report.correct.items()}
+    _write_json_atomic(path, rates)
+    return rates
 
 
 def _dynamic_sampling_filter(group: Sequence[Trajectory]) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 
 from flashreinforce.buffer import RolloutTask, Scheduler
 from flashreinforce.controller.backend import Backend
+from flashreinforce.envs.hints import HintedPrompts
 from flashreinforce.envs.single_turn import TextEpisodes, to_trajectory
 from flashreinforce.types import Generation, RolloutKey, SamplingParams, Trajectory
 
@@ -66,6 +67,7 @@ class RLLoop:
         on_step: StepHook,
         on_checkpoint: CheckpointHook,
         evaluate: EvalHook | None = None,
+        hints: HintedPrompts | None = None,
         version: int = 0,
     ) -> None:
         self.backend = backend
@@ -75,6 +77,7 @@ class RLLoop:
         self.on_step = on_step
         self.on_checkpoint = on_checkpoint
         self.evaluate = evaluate
+        self.hints = hints
         self.version = version
         self.inflight: dict[str, RolloutTask] = {}
         self._step_started = time.perf_counter()
@@ -135,7 +138,10 @@ class RLLoop:
             if task.partial is not None:
                 self.backend.submit(rid, task.partial.prompt_ids, task.partial.params, prefix=task.partial)
             else:
-                prompt_ids = self.episodes.prompt_ids(task.prompt)
+                if self.hints is not None:  # AHRL: the hint of the step the rollout starts at
+                    prompt_ids = self.hints.prompt_ids(task.prompt, self.version)
+                else:
+                    prompt_ids = self.episodes.prompt_ids(task.prompt)
                 params = replace(self.settings.sampling, seed=request_seed(self.settings.seed, task.key))
                 self.backend.submit(rid, prompt_ids, params)
 
@@ -148,7 +154,10 @@ class RLLoop:
             [(self.episodes.completion_text(g), task.prompt) for g, task in zip(generations, tasks)]
         )
         for task, generation, verdict in zip(tasks, generations, verdicts):
-            self.scheduler.on_finished(to_trajectory(task.key, task.prompt, task.group, generation, verdict))
+            hint_length = self.hints.hint_length(task.prompt, generation.prompt_ids) if self.hints else 0
+            self.scheduler.on_finished(
+                to_trajectory(task.key, task.prompt, task.group, generation, verdict, hint_length=hint_length)
+            )
 
     async def _after_step(self, metrics: dict[str, float], batch: Sequence[Trajectory]) -> None:
         """Weight push: pause -> load -> drop over-stale work -> evaluate / checkpoint -> resume."""

@@ -34,6 +34,8 @@ class EvalReport:
     max_new_tokens: int
     overall: SourceScore
     by_source: dict[str, SourceScore]
+    correct: dict[str, int]
+    """Correct samples (of k) per prompt id."""
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         flat = {f"{prefix}/avg@k": self.overall.avg_at_k}
@@ -106,4 +108,5 @@ async def evaluate(
         max_new_tokens=params.max_new_tokens,
         overall=_score([correct[p.id] for p in prompts], k),
         by_source={source: _score(counts, k) for source, counts in sources.items()},
+        correct={p.id: correct[p.id] for p in prompts},
     )

@@ -191,6 +191,10 @@ class Trainer:
         }
         if self.wpsm is not None:
             metrics["wpsm/flagged_fraction"] = wpsm_flagged / batch.num_rows
+        hinted = [t.hint_length for t in trajectories if t.hint_length]
+        if hinted:
+            metrics["hints/hinted_fraction"] = len(hinted) / len(trajectories)
+            metrics["hints/mean_tokens"] = sum(hinted) / len(hinted)
         metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
         for name, chunks in per_row.items():
             metrics[f"loss/{name}"] = float(torch.cat(chunks).mean())

@@ -102,3 +102,17 @@ def test_a_reward_function_that_raises_or_hangs_is_counted_and_the_run_goes_on(t
     reasons = summary["verifier"]
     assert reasons.get("reason/timeout", 0) > 0, reasons
     assert any(k.startswith("reason/error") and v > 0 for k, v in reasons.items()), reasons
+
+
+def test_ahrl_hints_reach_the_engine_and_never_the_loss(tiny_run, tmp_path):
+    config = load_config(None, [*tiny_run, "trainer.steps=2", "data.arithmetic.num_train=40", "log.tensorboard=false",
+                                "algo.hints={p_initial: 0.9, gamma: 0.001, k: 1, samples: 2, pass_threshold: 1.0}"])
+    run_training(config, run_dir=tmp_path / "run")
+    run = tmp_path / "run"
+    pass_initial = json.loads((run / "pass_initial.json").read_text())
+    assert len(pass_initial) == 40 and all(0 <= v <= 1 for v in pass_initial.values())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss/policy" in r]
+    assert all(r["hints/hinted_fraction"] == 1.0 and r["hints/mean_tokens"] > 1 for r in trained)
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert all(s["prompt"].split("=", 1)[1].startswith("<think>") for s in samples)  # prompt, then opener + hint

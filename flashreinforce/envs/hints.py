@@ -1,0 +1,60 @@
+"""AHRL prompts (ERNIE 5.0 §4.3): hard prompts get the first part of their reference think, fading with steps.
+
+The schedule is `algorithms.hints`; this module applies it to token ids. Hint tokens are prompt: they
+have loss_mask 0, and the trajectory records how many there were (Trajectory.hint_length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from flashreinforce.algorithms.hints import hint_fraction, hinted_prompt
+from flashreinforce.envs.single_turn import TextEpisodes
+from flashreinforce.types import Prompt
+
+
+class HintedPrompts:
+    """prompt_ids(prompt, step) with the AHRL hint of that step appended when the prompt qualifies.
+
+    A prompt qualifies when it has a reference think and its initial pass@k (on the warm-start model) is at
+    most `pass_threshold`. Its hint is floor(p_hint * |think tokens|) tokens, p_hint = p_initial *
+    exp(-gamma * step * max(pass, pass_floor)); all rollouts of a prompt at one step share the same hint.
+    """
+
+    def __init__(
+        self,
+        episodes: TextEpisodes,
+        pass_initial: Mapping[str, float],
+        *,
+        p_initial: float,
+        gamma: float,
+        pass_threshold: float,
+        pass_floor: float,
+        think_open: str,
+    ) -> None:
+        self.episodes = episodes
+        self.pass_initial = dict(pass_initial)
+        self.p_initial, self.gamma = p_initial, gamma
+        self.pass_threshold, self.pass_floor = pass_threshold, pass_floor
+        tokenizer = episodes.tokenizer
+        self._think_open = tokenizer.encode(think_open, add_special_tokens=False) if think_open else []
+
+    def qualifies(self, prompt: Prompt) -> bool:
+        return prompt.reference_think is not None and self.pass_initial.get(prompt.id, 1.0) <= self.pass_threshold
+
+    def prompt_ids(self, prompt: Prompt, step: int) -> list[int]:
+        ids = self.episodes.prompt_ids(prompt)
+        if not self.qualifies(prompt):
+            return ids
+        fraction = hint_fraction(step, self.pass_initial[prompt.id], p_initial=self.p_initial, gamma=self.gamma,
+                                 pass_floor=self.pass_floor)
+        think = self.episodes.tokenizer.encode(prompt.reference_think, add_special_tokens=False)
+        # The opener is skipped when the rendered prompt already ends with it (a template that emits <think>).
+        opens_already = bool(self._think_open) and ids[-len(self._think_open):] == self._think_open
+        opener = [] if opens_already else self._think_open
+        hinted, _ = hinted_prompt(ids, think, fraction, think_open_ids=opener)
+        return list(hinted)
+
+    def hint_length(self, prompt: Prompt, prompt_ids: tuple[int, ...] | list[int]) -> int:
+        """How many of `prompt_ids` (as sent to the engine) are hint: the tokens after the rendered prompt."""
+        return len(prompt_ids) - len(self.episodes.prompt_ids(prompt))
