@@ -57,7 +57,7 @@ class Reporter:
 
     def note(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text)
+            self.console.print(text, highlight=False)
 
     @contextlib.contextmanager
     def status(self, text: str) -> Iterator[None]:
