@@ -114,6 +114,12 @@ class RolloutConfig(_Section):
     """Top-k truncation (0 = off)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus truncation (1 = off)."""
+    in_flight_updates: bool = True
+    """A weight push swaps the engine's weights between two decoding steps and running requests go on
+    with their KV cache (as PipelineRL and AReaL do); tokens carry the version that sampled them and the
+    importance ratio corrects the rest. False: every push pauses all requests and re-reads their prefixes
+    under the new weights (slower: every in-flight prefix is recomputed each step). Checkpoint and
+    evaluation steps always pause; april always aborts at a push (that is its method)."""
 
 
 class SchedulerConfig(_Section):
@@ -211,7 +217,12 @@ class TrainerConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip (math.inf disables it)."""
     microbatch_size: int = Field(64, ge=1)
-    """Rows per forward/backward; gradients accumulate with global normalization."""
+    """Most rows per forward/backward; gradients accumulate with global normalization."""
+    microbatch_tokens: int | None = Field(None, ge=1)
+    """Token budget of a microbatch: its rows x longest row (padding included) stays within it; a longer
+    row gets a microbatch of its own. The learner batch is sorted by length first, so with a budget short
+    rows share a forward and long ones do not pad them (the dynamic batch size of verl and OpenRLHF).
+    None: microbatch_size rows each."""
     checkpoint_every: int = Field(20, ge=0)
     """Optimizer steps between checkpoints (0 = only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)

@@ -168,6 +168,7 @@ def build_trainer(config: RunConfig, model: Any, tokenizer: Any) -> Trainer:
             grad_clip=trainer.grad_clip,
         ),
         microbatch_size=trainer.microbatch_size,
+        microbatch_tokens=trainer.microbatch_tokens,
         pad_token_id=tokenizer.pad_token_id,
         temperature=config.rollout.temperature,
         max_new_tokens=config.rollout.max_new_tokens,
@@ -312,6 +313,7 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
             checkpoint_every=config.trainer.checkpoint_every,
             eval_every=config.eval.every,
             overlap=overlap,
+            in_flight_updates=config.rollout.in_flight_updates,
         )
         progress = reporter.training(total=config.trainer.steps, completed=trainer.version)
 

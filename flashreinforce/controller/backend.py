@@ -46,7 +46,8 @@ class Backend(Protocol):
         ...
 
     async def push_weights(self) -> int:
-        """Load the trainer's weights into the engine (while paused); returns their version."""
+        """Load the trainer's weights into the engine, paused or between two decoding steps (running
+        requests then go on with their KV cache); returns their version."""
         ...
 
     async def resume(self, partials: Sequence[Generation]) -> None:

@@ -2,8 +2,10 @@
 
     admit work the scheduler allows -> engine generates -> verifier scores -> scheduler collects
     -> when the scheduler hands over a batch: one optimizer step (overlapping further generation)
-    -> pause the engine, push the new weights, cancel over-stale work, evaluate / checkpoint if due,
-       resume the paused requests under the new weights -> repeat
+    -> push the new weights between two decoding steps (in-flight requests go on), cancel over-stale
+       work -> repeat
+    At a checkpoint or evaluation step (every step with in_flight_updates=False), the engine is paused
+    around the push and the paused requests resume under the new weights, re-reading their prefixes.
 
 The loop owns the map of in-flight requests (request id -> RolloutTask) and nothing else: policy lives in
 the scheduler, numerics in the trainer, generation in the engine. With `overlap=False` every stage runs in
@@ -36,6 +38,9 @@ class LoopSettings:
     eval_every: int
     overlap: bool
     """Train while the engine keeps generating (default); False runs every stage in turn."""
+    in_flight_updates: bool = False
+    """Push weights without pausing: running requests keep their KV cache and continue (see
+    RolloutConfig.in_flight_updates). False pauses and re-reads every prefix at each push."""
 
 
 def request_seed(seed: int, key: RolloutKey) -> int:
@@ -160,36 +165,54 @@ class RLLoop:
             )
 
     async def _after_step(self, metrics: dict[str, float], batch: Sequence[Trajectory]) -> None:
-        """Weight push: pause -> load -> drop over-stale work -> evaluate / checkpoint -> resume."""
+        """Weight push: [pause] -> load -> drop over-stale work -> evaluate / checkpoint -> [resume].
+
+        The pause (and the re-reading of every prefix it implies) is skipped when updates are in flight,
+        except where it is needed: a checkpoint holds paused partials, an evaluation runs on a quiet
+        engine, and april's method is to abort everything at an update.
+        """
         self.version += 1
-        partials, finished = await self.backend.pause()
-        await self._deliver(finished)
+        final = self.version >= self.settings.total_steps
+        checkpoint = final or bool(self.settings.checkpoint_every and self.version % self.settings.checkpoint_every == 0)
+        evaluate = self.evaluate is not None and bool(self.settings.eval_every) and self.version % self.settings.eval_every == 0
+        paused = (not self.settings.in_flight_updates or checkpoint or evaluate
+                  or self.scheduler.abort_on_update)
+        keep: list[Generation] = []
+        if paused:
+            partials, finished = await self.backend.pause()
+            await self._deliver(finished)
         pushed = await self.backend.push_weights()
         assert pushed == self.version, f"engine got version {pushed}, loop is at {self.version}"
         cancel = set(self.scheduler.on_version(self.version))
-        dropped = {
-            p.request_id for p in partials
-            if self.scheduler.abort_on_update or self.inflight[p.request_id].key in cancel
-        }
-        for partial in await self.backend.abort(sorted(dropped)):
-            self.scheduler.on_aborted(self.inflight.pop(partial.request_id), partial)
-        keep = [p for p in partials if p.request_id not in dropped]
+        if paused:
+            dropped = {
+                p.request_id for p in partials
+                if self.scheduler.abort_on_update or self.inflight[p.request_id].key in cancel
+            }
+            for partial in await self.backend.abort(sorted(dropped)):
+                self.scheduler.on_aborted(self.inflight.pop(partial.request_id), partial)
+            keep = [p for p in partials if p.request_id not in dropped]
+        elif cancel:
+            # A cancelled rollout that finished before the abort reached the engine still comes back
+            # through finished(); the scheduler knows it was cancelled and discards it.
+            ids = sorted(rid for rid, task in self.inflight.items() if task.key in cancel)
+            for partial in await self.backend.abort(ids):
+                self.scheduler.on_aborted(self.inflight.pop(partial.request_id), partial)
         now = time.perf_counter()
         metrics = {**metrics, **self.scheduler.stats(), **self.backend.stats()}
         # Rollout throughput between two weight pushes; evaluation time is kept out of it.
         tokens = metrics.get("engine/sampled_tokens", 0.0)
         metrics["time/step_seconds"] = now - self._step_started
         metrics["throughput/tokens_per_second"] = (tokens - self._tokens_at_step_start) / max(now - self._step_started, 1e-9)
-        if self.evaluate is not None and self.settings.eval_every and self.version % self.settings.eval_every == 0:
+        if evaluate:
             metrics.update(await self.evaluate(self.version))
             metrics["time/eval_seconds"] = time.perf_counter() - now
         self._step_started = time.perf_counter()
         self._tokens_at_step_start = self.backend.stats().get("engine/sampled_tokens", 0.0)
         self.on_step(self.version, metrics, batch)
-        final = self.version >= self.settings.total_steps
-        if final or (self.settings.checkpoint_every and self.version % self.settings.checkpoint_every == 0):
+        if checkpoint:
             self.on_checkpoint(self.version, self.state_dict(keep))
-        if not final:  # at the end, unfinished rollouts stay paused: the final checkpoint holds them
+        if paused and not final:  # at the end, unfinished rollouts stay paused: the final checkpoint holds them
             await self.backend.resume(keep)
 
     # ---- state ----------------------------------------------------------------------------------------

@@ -51,10 +51,25 @@ class TrainBatch:
             sliced[f.name] = value
         return TrainBatch(**sliced)
 
-    def microbatches(self, size: int) -> Iterator[tuple[int, TrainBatch]]:
-        """(first row index, slice) of at most `size` rows each."""
-        for start in range(0, self.num_rows, size):
-            yield start, self.rows(start, min(start + size, self.num_rows))
+    def microbatches(self, size: int, max_tokens: int | None = None) -> Iterator[tuple[int, TrainBatch]]:
+        """(first row index, slice) of at most `size` rows each, consecutive rows in order.
+
+        With `max_tokens`, a slice also stops growing before its padded area (rows x longest row) would pass
+        that budget; a row longer than the budget gets a slice of its own. On rows sorted by length this
+        packs many short rows together and few long ones, so every slice costs about the same and carries
+        little padding.
+        """
+        lengths = self.attention_mask.sum(dim=1).tolist()
+        start = 0
+        while start < self.num_rows:
+            stop, longest = start + 1, lengths[start]
+            while stop < self.num_rows and stop - start < size:
+                longest_with_next = max(longest, lengths[stop])
+                if max_tokens is not None and (stop - start + 1) * longest_with_next > max_tokens:
+                    break
+                stop, longest = stop + 1, longest_with_next
+            yield start, self.rows(start, stop)
+            start = stop
 
 
 def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch:

@@ -116,3 +116,42 @@ def test_ahrl_hints_reach_the_engine_and_never_the_loss(tiny_run, tmp_path):
     assert all(r["hints/hinted_fraction"] == 1.0 and r["hints/mean_tokens"] > 1 for r in trained)
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert all(s["prompt"].split("=", 1)[1].startswith("<think>") for s in samples)  # prompt, then opener + hint
+
+
+def _count_pauses(monkeypatch) -> list[int]:
+    from flashreinforce.controller.local import LocalBackend
+
+    pauses = []
+    original = LocalBackend.pause
+
+    async def counting_pause(self):
+        pauses.append(self.trainer.version)
+        return await original(self)
+
+    monkeypatch.setattr(LocalBackend, "pause", counting_pause)
+    return pauses
+
+
+@pytest.mark.parametrize("kind", ["stream", "urb"])
+def test_in_flight_updates_push_without_pausing_and_keep_the_lag_bound(tiny_run, tmp_path, monkeypatch, kind):
+    pauses = _count_pauses(monkeypatch)
+    config = load_config(None, [*tiny_run, "trainer.steps=5", "trainer.checkpoint_every=0", "eval.every=0",
+                                "log.tensorboard=false", f"scheduler.kind={kind}"])
+    assert config.rollout.in_flight_updates  # the default
+    summary = run_training(config, run_dir=tmp_path / "run")
+    assert summary["optimizer_steps"] == 5 and summary["trained_trajectories"] == 5 * 8
+    assert pauses == [5]  # only for the final checkpoint
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss/policy" in r]
+    assert max(r["lag/max"] for r in trained) <= 1  # S = 1 and N = 2: a token is at most one step old
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples
+
+
+def test_without_in_flight_updates_every_push_pauses(tiny_run, tmp_path, monkeypatch):
+    pauses = _count_pauses(monkeypatch)
+    config = load_config(None, [*tiny_run, "trainer.steps=3", "trainer.checkpoint_every=0", "eval.every=0",
+                                "log.tensorboard=false", "rollout.in_flight_updates=false"])
+    run_training(config, run_dir=tmp_path / "run")
+    assert pauses == [1, 2, 3]
+

@@ -43,6 +43,19 @@ def test_collate_pads_right_and_keeps_columns_aligned():
     assert trimmed.input_ids.tolist() == [[9, 4]]
 
 
+def test_microbatches_cap_rows_and_pack_a_token_budget():
+    lengths = [2, 3, 3, 4, 9]
+    batch = collate([make_trajectory(list(range(1, n + 1)), 1, group=i) for i, n in enumerate(lengths)], 0)
+
+    def shapes(size, budget=None):
+        return [(start, tuple(m.input_ids.shape)) for start, m in batch.microbatches(size, budget)]
+
+    assert shapes(2) == [(0, (2, 3)), (2, (2, 4)), (4, (1, 9))]  # each slice trimmed to its longest row
+    # budget 9: [2 3 3] is 3 x 3 = 9 cells, adding 4 would be 16; [4] then [9]: a row over budget goes alone
+    assert shapes(8, budget=9) == [(0, (3, 3)), (3, (1, 4)), (4, (1, 9))]
+    assert shapes(2, budget=100) == shapes(2)  # the row cap still holds under a loose budget
+
+
 def test_collate_refuses_a_row_without_policy_tokens():
     with pytest.raises(ValueError, match="no sampled tokens"):
         collate([make_trajectory([5, 6], 2)], pad_token_id=0)
@@ -71,7 +84,7 @@ def _on_policy_batch(model, rows, group_size):
     return trajectories
 
 
-def _trainer(model, loss, microbatch_size):
+def _trainer(model, loss, microbatch_size, microbatch_tokens=None):
     return Trainer(
         model,
         loss=loss,
@@ -79,6 +92,7 @@ def _trainer(model, loss, microbatch_size):
         optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0,
                                     total_steps=10, min_lr_ratio=1.0, grad_clip=1e9),
         microbatch_size=microbatch_size,
+        microbatch_tokens=microbatch_tokens,
         pad_token_id=0,
         temperature=1.0,
         max_new_tokens=8,
@@ -96,6 +110,19 @@ def test_microbatches_give_the_full_batch_step(loss, group_size):
     assert metrics_whole["optim/grad_norm"] > 0
     assert metrics_split["optim/grad_norm"] == pytest.approx(metrics_whole["optim/grad_norm"], rel=1e-9)
     for a, b in zip(whole.parameters(), split.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_token_budget_packs_sorted_rows_and_steps_like_one_batch():
+    base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
+    batch = _on_policy_batch(base, rows=10, group_size=1)  # lengths 4..8
+    whole, packed = copy.deepcopy(base), copy.deepcopy(base)
+    metrics_whole = _trainer(whole, "flashreinforce", microbatch_size=10).step(batch)
+    metrics_packed = _trainer(packed, "flashreinforce", microbatch_size=10, microbatch_tokens=16).step(batch)
+    # sorted lengths 4 4 5 5 6 6 7 7 8 8: slices [4 4 5] (15 cells), [5 6] (12), [6 7] (14), [7 8] (16), [8] (8)
+    assert metrics_packed["batch/padding_fraction"] == pytest.approx(1 - 60 / 65)
+    assert metrics_whole["batch/padding_fraction"] == pytest.approx(1 - 60 / 80)
+    for a, b in zip(whole.parameters(), packed.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 

@@ -1,0 +1,464 @@
+"""sync vs april vs urb vs stream on one long-tailed workload: speed, slot use, policy lag and bias.
+
+Workload: the arithmetic task with columns drawn from DIGIT_WEIGHTS (35% 1, 35% 2, 25% 3, 5% 16
+columns; a think step is ~9 tokens), so the median completion is ~22 tokens and a 16-column one
+~150-170 (~7x): every batch of 128 holds a few rollouts that run ~7x longer than the rest. The policy
+is the library's tiny Qwen2-style model warm-started by SFT on that mix (`build_policy`); it emits
+one step per column, so its lengths follow problem size (accuracy does not matter here). The warm
+start is cached under OUT/warm-start/<hash of its settings>/ and reused by later runs.
+
+Every kind runs from the same warm start, data order and seed, for the same number of optimizer
+steps, through the real RLLoop + LocalBackend (overlapped: engine thread, trainer thread, verifier
+processes) with FlashREINFORCE, one rollout per prompt, B = batch groups, no evals, in-flight weight
+updates (the default). The engine has B * (max_lag + 1) slots for every kind: U-RB's inference pool holds
+B * N prompts, and an engine with only B slots would starve it; sync cannot use more than B.
+Kind options are the library defaults: april over_provision 2, urb buffer_size N=2 (lag <= 1), stream
+max_staleness S=1 (lag <= 1), gate. Measured per kind, over the steps after the first --warmup:
+- steps/s: optimizer steps / wall seconds between the end of step `warmup` and the end of the last;
+- slot util: the engine's busy / available slot-steps (EngineStats) over that window; engine busy:
+  its seconds inside step() / wall seconds (sync's engine idles while the learner trains); trainer busy:
+  the trainer's seconds inside its steps / wall seconds. Whichever is near 100% bounds the overlapped kinds;
+- lag: step - policy version of every trained sampled token, mean and max over the whole run;
+- bias: KS statistic (two-sample, sup |F1 - F2|) of the trained difficulties and trained lengths
+  (policy tokens) against sync's, and the mean trained difficulty of the first steps and of all steps
+  against the data order's over the same positions (what sync and urb train by construction).
+With --repeats R the kinds run R times, interleaved; speed columns show the median run, bias and
+lag pool all runs.
+
+    python benchmarks/schedulers.py                  # the default run (SFT once, then ~1 min per kind)
+    python benchmarks/schedulers.py --quick          # smoke run, under a minute with its warm start
+    flashreinforce bench schedulers --repeats 3 --json bench-out/schedulers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashreinforce.buffer import build_scheduler, scheduler_options
+from flashreinforce.cli.console import Reporter
+from flashreinforce.cli.train import Data, build_engine, build_policy, build_trainer, load_data, seed_everything
+from flashreinforce.config import RunConfig, load_config
+from flashreinforce.controller.local import LocalBackend
+from flashreinforce.controller.loop import LoopSettings, RLLoop
+from flashreinforce.data.order import PromptOrder
+from flashreinforce.envs.single_turn import TextEpisodes
+from flashreinforce.rollout.engine import Engine
+from flashreinforce.types import SamplingParams, Trajectory
+from flashreinforce.verifiers.pool import VerifierPool
+
+# `flashreinforce bench` runs this file with runpy, which does not put its directory on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import Machine
+
+KINDS = ("sync", "april", "urb", "stream")
+OTHER_CORES_NOISY = 0.25
+"""Other processes using more than this many cores on average during a run make its timings suspect."""
+DIGIT_WEIGHTS = [0.35, 0.35, 0.25] + [0.0] * 12 + [0.05]
+"""Share of problems with 1, 2, ..., 16 columns."""
+WORKLOAD = [
+    "data.arithmetic.digit_weights=" + json.dumps(DIGIT_WEIGHTS),
+    "model.tiny.max_position_embeddings=224",  # longest prompt (34) + max_new_tokens
+    "rollout.max_new_tokens=184",  # a 16-column completion is ~170 tokens
+    "sft.steps=200",  # enough for lengths to follow the column count (measured), not for accuracy
+    "scheduler.group_size=1",
+    "algo.loss=flashreinforce",
+]
+QUICK = [  # a smaller model and tail: checks that everything runs, not the figures
+    "data.arithmetic.digit_weights=" + json.dumps([0.35, 0.35, 0.25, 0, 0, 0, 0.05]),
+    "data.arithmetic.num_train=2000",
+    "model.tiny.hidden_size=64",
+    "model.tiny.max_position_embeddings=112",
+    "rollout.max_new_tokens=96",
+    "sft.steps=60",
+    "sft.batch_size=32",
+    "verifier.max_workers=1",
+]
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one optimizer step trained, and the clocks and engine counters right after its weight push."""
+
+    seconds: float
+    """Since the loop started."""
+    busy_slot_steps: int
+    available_slot_steps: int
+    engine_seconds: float
+    train_seconds: float
+    """The trainer's own time for this step (forward, backward, optimizer)."""
+    difficulties: list[float]
+    lengths: list[int]
+    """Policy (sampled) tokens of each trained trajectory."""
+    positions: list[int]
+    """Data-order positions of the trained prompts."""
+    lag_sum: int
+    lag_tokens: int
+    lag_max: int
+
+
+@dataclass
+class KindRun:
+    kind: str
+    steps: list[Step] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)
+    setup_seconds: float = 0.0
+    other_cores: float = 0.0
+    """Cores other processes kept busy on average during the run: the noise in its timings."""
+
+
+@dataclass(frozen=True)
+class CpuClock:
+    """Busy CPU seconds of the whole machine (/proc/stat) and of this process with its reaped children.
+
+    The difference between two readings, machine minus ours, is what other processes used meanwhile: a
+    direct measure of how disturbed a run was, where the load average also counts our own threads.
+    """
+
+    wall: float
+    machine: float
+    ours: float
+
+    @classmethod
+    def read(cls) -> CpuClock:
+        with open("/proc/stat") as f:
+            jiffies = [int(x) for x in f.readline().split()[1:]]
+        idle = jiffies[3] + jiffies[4]  # idle + iowait
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)  # verifier workers, once the pool reaped them
+        return cls(
+            wall=time.perf_counter(),
+            machine=(sum(jiffies[:8]) - idle) / os.sysconf("SC_CLK_TCK"),  # guest time is inside user time
+            ours=own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,
+        )
+
+    def other_cores_since(self, start: CpuClock) -> float:
+        return max(0.0, (self.machine - start.machine) - (self.ours - start.ours)) / (self.wall - start.wall)
+
+
+def bench_config(quick: bool, batch: int, steps: int, max_lag: int) -> RunConfig:
+    """The run config every kind shares; max_lag bounds urb (N = max_lag + 1) and stream (S = max_lag) alike."""
+    overrides = [*WORKLOAD, *(QUICK if quick else ()), f"scheduler.batch_groups={batch}",
+                 f"rollout.max_batch_size={batch * (max_lag + 1)}", f"trainer.steps={steps}",
+                 f"scheduler.buffer_size={max_lag + 1}", f"scheduler.max_staleness={max_lag}"]
+    return load_config("arithmetic", overrides)
+
+
+def warm_start_dir(config: RunConfig, out: Path) -> Path:
+    """OUT/warm-start/<key>: the key hashes every setting the warm start depends on."""
+    settings = {k: config.model_dump(mode="json")[k] for k in ("seed", "model", "data", "sft")}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return out / "warm-start" / key
+
+
+def batch_record(version: int, metrics: dict[str, float], batch: Sequence[Trajectory], started: float,
+                 engine: Engine) -> Step:
+    step = version - 1  # on_step runs after the push; the batch was trained at the previous version
+    lags = [step - v for t in batch for v, m in zip(t.policy_versions, t.loss_mask) if m]
+    stats = engine.stats  # an immutable snapshot, safe to read while the engine thread runs
+    return Step(
+        seconds=time.perf_counter() - started,
+        busy_slot_steps=stats.busy_slot_steps,
+        available_slot_steps=stats.available_slot_steps,
+        engine_seconds=stats.step_seconds,
+        train_seconds=metrics["time/train_seconds"],
+        difficulties=[t.prompt.difficulty for t in batch],
+        lengths=[t.num_policy_tokens for t in batch],
+        positions=[t.group for t in batch],
+        lag_sum=sum(lags),
+        lag_tokens=len(lags),
+        lag_max=max(lags, default=0),
+    )
+
+
+async def run_kind(kind: str, config: RunConfig, data: Data, warm_dir: Path) -> KindRun:
+    """One RL run of `kind` from the cached warm start; returns what every step trained, and when."""
+    setup_started = time.perf_counter()
+    seed_everything(config.seed)
+    tokenizer, model = build_policy(config, data, warm_dir, Reporter(enabled=False))
+    episodes = TextEpisodes(tokenizer)
+    trainer = build_trainer(config, model, tokenizer)
+    engine = build_engine(model, tokenizer, max_batch_size=config.rollout.max_batch_size,
+                          max_new_tokens=config.rollout.max_new_tokens,
+                          longest_prompt=max(len(episodes.prompt_ids(p)) for p in data.train),
+                          seed=config.seed, version=0)
+    order = PromptOrder(data.train, seed=config.data.shuffle_seed)
+    schedule = config.scheduler
+    scheduler = build_scheduler(kind, prompt_at=order.__getitem__, batch_groups=schedule.batch_groups,
+                                group_size=schedule.group_size,
+                                **{name: getattr(schedule, name) for name in scheduler_options(kind)})
+    pool = VerifierPool([config.verifier.reward_fn], timeout_s=config.verifier.timeout_s,
+                        min_workers=config.verifier.min_workers, max_workers=config.verifier.max_workers)
+    pool.score_sync("", data.train[0])  # the worker's start-up (imports) is not the scheduler's cost
+    backend = LocalBackend(engine, trainer, pool, tokenizer, overlap=True)
+    rollout = config.rollout
+    settings = LoopSettings(
+        total_steps=config.trainer.steps,
+        sampling=SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                                top_k=rollout.top_k, top_p=rollout.top_p),
+        seed=config.seed, checkpoint_every=0, eval_every=0, overlap=True,
+    )
+    result = KindRun(kind)
+    started = time.perf_counter()
+    loop = RLLoop(backend, scheduler, episodes, settings,
+                  on_step=lambda version, metrics, batch: result.steps.append(
+                      batch_record(version, metrics, batch, started, engine)),
+                  on_checkpoint=lambda version, state: None)
+    result.setup_seconds = started - setup_started
+    try:
+        await loop.run()
+    finally:
+        await backend.close()
+        pool.close()
+    result.dropped = {k: v for k, v in scheduler.ledger.summary().items() if k.startswith("dropped/")}
+    return result
+
+
+def ks_statistic(a: Sequence[float], b: Sequence[float]) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic D = sup_x |F_a(x) - F_b(x)| of the empirical CDFs.
+
+    Evaluating both CDFs (right-continuous) at every observed value finds the sup, ties included.
+    Example: a = [1, 2], b = [2, 3]: F_a - F_b at 1, 2, 3 is 1/2 - 0, 1 - 1/2, 1 - 1, so D = 1/2.
+    """
+    a, b = np.sort(np.asarray(a, dtype=float)), np.sort(np.asarray(b, dtype=float))
+    assert len(a) and len(b), f"KS needs two non-empty samples, got {len(a)} and {len(b)}"
+    grid = np.concatenate([a, b])
+    cdf_a = np.searchsorted(a, grid, side="right") / len(a)
+    cdf_b = np.searchsorted(b, grid, side="right") / len(b)
+    return float(np.max(np.abs(cdf_a - cdf_b)))
+
+
+def speed(run: KindRun, warmup: int) -> dict[str, float]:
+    """steps/s, slot utilization and the engine's and trainer's busy fractions over the steps after `warmup`."""
+    first, last = run.steps[warmup - 1] if warmup else None, run.steps[-1]
+    t0, busy0, avail0, engine0 = (first.seconds, first.busy_slot_steps, first.available_slot_steps,
+                                  first.engine_seconds) if first else (0.0, 0, 0, 0.0)
+    wall = last.seconds - t0
+    return {
+        "steps_per_second": (len(run.steps) - warmup) / wall,
+        "slot_utilization": (last.busy_slot_steps - busy0) / max(last.available_slot_steps - avail0, 1),
+        "engine_busy": (last.engine_seconds - engine0) / wall,
+        "trainer_busy": sum(s.train_seconds for s in run.steps[warmup:]) / wall,
+        "measured_seconds": wall,
+    }
+
+
+def summarize(runs: dict[str, list[KindRun]], data_difficulty: list[float], warmup: int, first_steps: int,
+              batch: int) -> dict:
+    """Per kind: speed of its median run; lag and bias pooled over its runs."""
+    pooled = {kind: [s for run in kind_runs for s in run.steps] for kind, kind_runs in runs.items()}
+    sync_difficulty = [d for s in pooled.get("sync", []) for d in s.difficulties]
+    sync_length = [n for s in pooled.get("sync", []) for n in s.lengths]
+    data_early = data_difficulty[:first_steps * batch]
+    rows = {}
+    for kind, kind_runs in runs.items():
+        speeds = sorted((speed(run, warmup) for run in kind_runs), key=lambda r: r["steps_per_second"])
+        steps = pooled[kind]
+        difficulty = [d for s in steps for d in s.difficulties]
+        length = [n for s in steps for n in s.lengths]
+        early = [d for run in kind_runs for s in run.steps[:first_steps] for d in s.difficulties]
+        rows[kind] = {
+            **speeds[len(speeds) // 2],
+            "steps_per_second_runs": [r["steps_per_second"] for r in speeds],
+            "other_cores_runs": [run.other_cores for run in kind_runs],
+            "lag_mean": sum(s.lag_sum for s in steps) / max(sum(s.lag_tokens for s in steps), 1),
+            "lag_max": max(s.lag_max for s in steps),
+            "ks_difficulty_vs_sync": ks_statistic(difficulty, sync_difficulty) if sync_difficulty else None,
+            "ks_length_vs_sync": ks_statistic(length, sync_length) if sync_length else None,
+            "ks_difficulty_vs_data": ks_statistic(difficulty, data_difficulty),
+            "ks_difficulty_first_steps_vs_data": ks_statistic(early, data_early),
+            "mean_difficulty": float(np.mean(difficulty)),
+            "mean_difficulty_first_steps": float(np.mean(early)),
+            "mean_length": float(np.mean(length)),
+            "dropped": kind_runs[0].dropped,
+            "setup_seconds": statistics.median(run.setup_seconds for run in kind_runs),
+            "runs": [[asdict(s) for s in run.steps] for run in kind_runs],
+        }
+    if "sync" in rows:
+        for row in rows.values():
+            row["speedup_vs_sync"] = row["steps_per_second"] / rows["sync"]["steps_per_second"]
+    return rows
+
+
+def ks_critical(n: int, m: int, alpha: float = 0.05) -> float:
+    """Asymptotic two-sample KS critical value: D above it is unlikely (p < alpha) for samples of one law."""
+    return math.sqrt(-math.log(alpha / 2) / 2) * math.sqrt((n + m) / (n * m))
+
+
+def print_table(rows: dict, data_mean: float, data_first_mean: float, first_steps: int) -> None:
+    print(f"| kind | steps/s | vs sync | slot util | engine busy | trainer busy | lag mean / max | KS difficulty | KS length "
+          f"| mean difficulty (data {data_mean:.2f}) | first {first_steps} steps: mean difficulty "
+          f"(data {data_first_mean:.2f}), KS vs data |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for kind, r in rows.items():
+        runs = r["steps_per_second_runs"]
+        spread = f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else ""
+        vs = f"{r['speedup_vs_sync']:.2f}x" if "speedup_vs_sync" in r else "-"
+        ks = [f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("ks_difficulty_vs_sync", "ks_length_vs_sync")]
+        print(f"| `{kind}` | {r['steps_per_second']:.3f}{spread} | {vs} | {r['slot_utilization']:.0%} "
+              f"| {r['engine_busy']:.0%} | {r['trainer_busy']:.0%} | {r['lag_mean']:.2f} / {r['lag_max']} | {ks[0]} | {ks[1]} "
+              f"| {r['mean_difficulty']:.2f} | {r['mean_difficulty_first_steps']:.2f}, "
+              f"{r['ks_difficulty_first_steps_vs_data']:.3f} |")
+
+
+def check_goals(rows: dict, early_critical: float) -> list[str]:
+    """The issue's goals, each as 'met' / 'NOT met' with the figure."""
+    lines = []
+    for kind in ("urb", "stream"):
+        if kind in rows and "speedup_vs_sync" in rows[kind]:
+            x = rows[kind]["speedup_vs_sync"]
+            lines.append(f"goal {kind} >= 1.5x sync steps/s: {x:.2f}x, {'met' if x >= 1.5 else 'NOT met'}")
+    if "urb" in rows and rows["urb"]["ks_difficulty_vs_sync"] is not None:
+        ks = max(rows["urb"]["ks_difficulty_vs_sync"], rows["urb"]["ks_length_vs_sync"])
+        lines.append(f"goal urb as unbiased as sync (KS <= 0.05): largest KS {ks:.3f}, "
+                     f"{'met' if ks <= 0.05 else 'NOT met'}")
+    if "april" in rows:
+        ks = rows["april"]["ks_difficulty_first_steps_vs_data"]
+        lines.append(f"goal april's bias visible: KS of its first steps' difficulties vs the data's {ks:.3f} "
+                     f"(5% critical value {early_critical:.3f}), {'met' if ks > early_critical else 'NOT met'}")
+    return lines
+
+
+def plot(rows: dict, data_difficulty: list[float], batch: int, path: Path) -> None:
+    """Three panels: steps/s; running mean of trained difficulty against the data order's; CDF of trained lengths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (bars, drift, cdf) = plt.subplots(1, 3, figsize=(15, 4))
+    kinds = list(rows)
+    bars.bar(kinds, [rows[k]["steps_per_second"] for k in kinds], color=[f"C{i}" for i in range(len(kinds))])
+    bars.set_title("optimizer steps / s (median run)")
+    for i, kind in enumerate(kinds):
+        steps = rows[kind]["runs"][0]
+        trained = np.cumsum([sum(s["difficulties"]) for s in steps]) / np.cumsum([len(s["difficulties"]) for s in steps])
+        drift.plot(range(1, len(steps) + 1), trained, color=f"C{i}", label=kind)
+        lengths = np.sort([n for run in rows[kind]["runs"] for s in run for n in s["lengths"]])
+        cdf.step(lengths, np.arange(1, len(lengths) + 1) / len(lengths), where="post", color=f"C{i}", label=kind)
+    steps = len(rows[kinds[0]]["runs"][0])
+    data = np.cumsum(data_difficulty[:steps * batch])[batch - 1::batch] / np.arange(batch, steps * batch + 1, batch)
+    drift.plot(range(1, steps + 1), data, color="k", linestyle=":", label="data order")
+    drift.set_title("mean difficulty (columns) trained up to each step")
+    drift.set_xlabel("optimizer step")
+    drift.legend()
+    cdf.set_title("CDF of trained lengths (policy tokens)")
+    cdf.set_xlabel("tokens")
+    cdf.legend()
+    for axis in (bars, drift, cdf):
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, help="optimizer steps per kind (default 40; --quick 6)")
+    parser.add_argument("--batch", type=int, help="prompts per step, B (default 128; --quick 32); engine slots B * (max lag + 1)")
+    parser.add_argument("--warmup", type=int, help="first steps left out of the speed figures (default 3; --quick 1)")
+    parser.add_argument("--first-steps", type=int, default=5, help="how many first steps the early bias column spans")
+    parser.add_argument("--max-lag", type=int, default=1, help="lag bound of urb (N = it + 1) and stream (S = it)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per kind, interleaved (speed: median run)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ",".join(KINDS))
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "bench-out",
+                        help="folder of the warm-start cache and the PNG (default bench-out/)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--quick", action="store_true", help="tiny model, short tail, few steps: a smoke run")
+    args = parser.parse_args()
+    args.steps = args.steps or (6 if args.quick else 40)
+    args.batch = args.batch or (32 if args.quick else 128)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args.kinds = [k.strip() for k in args.kinds.split(",")]
+    if unknown := sorted(set(args.kinds) - set(KINDS)):
+        raise ValueError(f"--kinds: unknown {unknown}; choose from {','.join(KINDS)}")
+    if args.max_lag < 1:
+        raise ValueError(f"--max-lag {args.max_lag}: use 1 or more (0 would make urb and stream synchronous)")
+    if not 0 <= args.warmup < args.steps:
+        raise ValueError(f"--warmup {args.warmup} must leave steps to measure out of --steps {args.steps}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    config = bench_config(args.quick, args.batch, args.steps, args.max_lag)
+    torch.set_num_threads(config.backend.torch_threads)  # one per thread (engine, trainer): 2 cores
+    machine = Machine.measure()
+    print(machine.describe())
+    machine.warn_if_busy()
+    started = time.perf_counter()
+
+    data = load_data(config)
+    warm_dir = warm_start_dir(config, args.out)
+    reused = (warm_dir / "sft" / "config.json").is_file()
+    warm_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(config.seed)
+    build_policy(config, data, warm_dir, Reporter(enabled=True))
+    print(f"warm start: {'reused' if reused else 'trained and cached'} {warm_dir / 'sft'} "
+          f"({time.perf_counter() - started:.0f} s)")
+
+    runs: dict[str, list[KindRun]] = {kind: [] for kind in args.kinds}
+    for repeat in range(args.repeats):
+        for kind in args.kinds:
+            clock = CpuClock.read()
+            run = asyncio.run(run_kind(kind, config, data, warm_dir))
+            run.other_cores = CpuClock.read().other_cores_since(clock)
+            runs[kind].append(run)
+            print(f"  {kind} (run {repeat + 1}/{args.repeats}): {args.steps} steps in {run.steps[-1].seconds:.1f} s, "
+                  f"other processes used {run.other_cores:.2f} cores", flush=True)
+
+    order = PromptOrder(data.train, seed=config.data.shuffle_seed)
+    data_difficulty = [order[i].difficulty for i in range(args.steps * args.batch)]
+    early = args.first_steps * args.batch
+    rows = summarize(runs, data_difficulty, args.warmup, args.first_steps, args.batch)
+    lengths = [n for s in runs[args.kinds[0]][0].steps for n in s.lengths]
+    print(f"\n{len(args.kinds)} kinds x {args.repeats} run(s), {args.steps} steps of B={args.batch} (speed after "
+          f"{args.warmup} warm-up steps); trained lengths median {np.median(lengths):.0f}, max {max(lengths)} "
+          "policy tokens")
+    print_table(rows, float(np.mean(data_difficulty)), float(np.mean(data_difficulty[:early])), args.first_steps)
+    print(machine.describe())
+    machine.warn_if_busy()
+    other = max(run.other_cores for kind_runs in runs.values() for run in kind_runs)
+    if other > OTHER_CORES_NOISY:
+        print(f"WARNING: other processes kept up to {other:.2f} cores busy during a run (this one needs 2): "
+              "the speed figures are disturbed; rerun on an idle machine before quoting them")
+    goals = check_goals(rows, ks_critical(early, early))
+    print("\n".join(goals))
+
+    png = args.out / "schedulers.png"
+    plot(rows, data_difficulty, args.batch, png)
+    wall = time.perf_counter() - started
+    print(f"plot: {png}; wall {wall:.0f} s")
+    if args.json:
+        settings = {name: value for name, value in vars(args).items() if name not in ("out", "json")}
+        report = {
+            "machine": machine.as_dict(),
+            "other_cores_max": other,
+            "settings": {**settings, "config": config.model_dump(mode="json")},
+            "warm_start": {"dir": str(warm_dir / "sft"), "reused": reused},
+            "data": {"difficulties": data_difficulty},
+            "kinds": rows,
+            "goals": goals,
+            "png": str(png),
+            "wall_seconds": wall,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""benchmarks/schedulers.py: its KS statistic, and a --quick run end to end checked through its JSON."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats  # in the test extra; the benchmark itself does without it
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "schedulers.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("bench_schedulers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ks_statistic_by_hand_and_against_scipy():
+    ks = _load_script().ks_statistic
+    assert ks([1, 2], [2, 3]) == 0.5  # F_a - F_b at 1, 2, 3: 1/2, 1/2, 0
+    assert ks([3, 1, 2], [2, 3, 1]) == 0.0
+    assert ks([1, 1], [5]) == 1.0
+    # ties across samples: F_a(2) = 3/4, F_b(2) = 1/4
+    assert ks([1, 2, 2, 9], [2, 5, 5, 5]) == 0.5
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 6, 300), rng.integers(1, 7, 200)  # discrete: many ties
+    assert ks(a, b) == pytest.approx(stats.ks_2samp(a, b).statistic, abs=1e-12)
+
+
+def _run(out: Path, *args: str) -> dict:
+    json_path = out / f"report{len(list(out.glob('report*.json')))}.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--json", str(json_path), *args],
+                   check=True, timeout=300)
+    return json.loads(json_path.read_text())
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_kind_and_urb_trains_exactly_its_data_group(tmp_path):
+    report = _run(tmp_path)
+    settings = report["settings"]
+    steps, batch = settings["steps"], settings["batch"]
+    assert set(report["kinds"]) == {"sync", "april", "urb", "stream"}
+    assert {"cores", "load_average", "torch_threads", "busy"} <= set(report["machine"])
+    assert Path(report["png"]).is_file() and not report["warm_start"]["reused"]
+    for kind, row in report["kinds"].items():
+        (run,) = row["runs"]
+        assert len(run) == steps and all(len(s["lengths"]) == batch for s in run), kind
+        assert row["steps_per_second"] > 0 and 0 < row["slot_utilization"] <= 1, (kind, row)
+        assert 0 <= row["ks_difficulty_vs_sync"] <= 1 and 0 <= row["ks_length_vs_sync"] <= 1, (kind, row)
+    # sync and urb train exactly D_t = data positions [t*B, (t+1)*B) at step t: no difficulty bias at all
+    for kind in ("sync", "urb"):
+        for t, s in enumerate(report["kinds"][kind]["runs"][0]):
+            assert sorted(s["positions"]) == list(range(t * batch, (t + 1) * batch)), (kind, t)
+        assert report["kinds"][kind]["ks_difficulty_vs_sync"] == 0.0
+        assert report["kinds"][kind]["ks_difficulty_vs_data"] == 0.0
+    assert report["kinds"]["sync"]["lag_max"] == 0 and report["kinds"]["sync"]["ks_length_vs_sync"] == 0.0
+    assert report["kinds"]["urb"]["lag_max"] <= 1 and report["kinds"]["stream"]["lag_max"] <= 1  # N=2, S=1
+    assert report["kinds"]["sync"]["speedup_vs_sync"] == 1.0
+
+    again = _run(tmp_path, "--kinds", "sync", "--steps", "2")
+    assert again["warm_start"] == {**report["warm_start"], "reused": True}

@@ -1,0 +1,47 @@
+"""`benchmarks/vs_trl.py --quick`: the vs-TRL harness end to end, all three methods (needs the trl extra)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_trl.py"
+
+
+@pytest.mark.slow
+def test_quick_runs_every_method_from_one_warm_start(tmp_path):
+    pytest.importorskip("trl", reason="vs-trl runs TRL's GRPOTrainer: pip install 'flashreinforce[trl]'")
+    report_path, png = tmp_path / "vs_trl.json", tmp_path / "vs_trl.png"
+    # Threshold 0 is reached by the evaluation before RL: the to-threshold path runs too.
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick", "--threshold", "0", "--out", str(tmp_path / "work"),
+         "--png", str(png), "--json", str(report_path)],
+        check=False, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| TRL GRPOTrainer" in done.stdout and png.stat().st_size > 0
+
+    report = json.loads(report_path.read_text())
+    settings = report["settings"]
+    assert set(report["machine"]) >= {"cores", "load_average", "torch_threads", "busy"}
+    assert report["machine"]["torch_threads"] == settings["threads"]
+    runs = {run["method"]: run for run in report["runs"]}
+    assert set(runs) == {"flashreinforce", "grpo", "trl"}
+    every = settings["eval_every"]
+    for method, run in runs.items():
+        assert run["steps"] == settings["steps"], method
+        assert [p["step"] for p in run["points"]] == list(range(0, settings["steps"] + 1, every)), method
+        seconds = [p["seconds"] for p in run["points"]]
+        tokens = [p["sampled_tokens"] for p in run["points"]]
+        assert seconds[0] == 0 and tokens[0] == 0 and seconds == sorted(seconds) and tokens == sorted(tokens)
+        # Every trained trajectory holds at least its EOS; ours may also have sampled up to one engine's worth
+        # of rollouts ahead (128 slots) within the 64-token budget.
+        assert settings["steps"] * settings["trajectories"] <= run["sampled_tokens"], method
+        assert run["sampled_tokens"] <= (settings["steps"] * settings["trajectories"] + 128) * 64, method
+        assert run["peak_rss_mb"] > 50 and run["peak_tree_rss_mb"] > 50, method
+        assert report["summary"][method]["reached"] == 1 and report["summary"][method]["steps_to_threshold"] == [0]
+    # One warm start, one evaluation: the same weights score the same before RL, whichever framework runs next.
+    assert len({run["points"][0]["accuracy"] for run in runs.values()}) == 1
+    assert runs["trl"]["points"][0]["accuracy"] == report["warm_start"]["eval/avg@k"]
