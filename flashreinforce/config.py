@@ -264,6 +264,12 @@ class BackendConfig(_Section):
     with this many, so one each fills a 2-core machine; more oversubscribes the cores, which costs little on
     an idle machine but several-fold when other processes compete (measured: an SFT step 0.15 s at 1 thread,
     2.8 s at 2 threads with other jobs running)."""
+    trainer_process: bool = False
+    """Overlapped loop: run the trainer in a process of its own (trainer/process.py), so its step does not
+    take turns at the GIL with the decoding thread. It costs a few seconds of start-up and the child's own
+    torch in memory; on the 2-core machine we measure on, the cores are the limit and the schedulers
+    benchmark (`--trainer process` vs `thread`) shows no difference beyond run-to-run noise, so it is off
+    by default. The lockstep loop (`deterministic: true`) always trains inline."""
 
 
 class LogConfig(_Section):

@@ -45,6 +45,7 @@ from flashreinforce.metrics.sink import MetricsSink
 from flashreinforce.models import build_char_tokenizer, build_model, load_model
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.trainer.checkpoint import latest_checkpoint, load_states, save_checkpoint
+from flashreinforce.trainer.process import TrainerProcess
 from flashreinforce.trainer.sft import sft_warm_start
 from flashreinforce.trainer.trainer import OptimizerSettings, OverlongShaping, Trainer, WPSMSettings
 from flashreinforce.types import Prompt, SamplingParams, Trajectory
@@ -177,6 +178,19 @@ def build_trainer(config: RunConfig, model: Any, tokenizer: Any) -> Trainer:
     )
 
 
+def start_trainer(config: RunConfig, model: Any, tokenizer: Any) -> Trainer | TrainerProcess:
+    """The run's trainer: in a process of its own when backend.trainer_process is set (overlapped loop only)."""
+    if config.deterministic or not config.backend.trainer_process:
+        return build_trainer(config, model, tokenizer)
+    return TrainerProcess(build_trainer, (config, model, tokenizer), template=model.state_dict(),
+                          threads=config.backend.torch_threads)
+
+
+def close_trainer(trainer: Trainer | TrainerProcess) -> None:
+    if isinstance(trainer, TrainerProcess):
+        trainer.close()
+
+
 def build_engine(model: Any, tokenizer: Any, *, max_batch_size: int, max_new_tokens: int, longest_prompt: int,
                  seed: int, version: int) -> Engine:
     """The engine gets its own copy of the weights; its context is what the data actually needs."""
@@ -239,12 +253,11 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
     else:
         tokenizer, model = build_policy(config, data, run_dir, reporter)
     episodes = TextEpisodes(tokenizer)
-    trainer = build_trainer(config, model, tokenizer)
     trainer_state = controller_state = meta = None
     if checkpoint is not None:
         trainer_state, controller_state, meta = load_states(checkpoint)
-        trainer.load_state_dict(trainer_state)
         torch.set_rng_state(trainer_state["torch_rng"])
+    version = trainer_state["version"] if trainer_state else 0
     engine = build_engine(
         model,
         tokenizer,
@@ -252,7 +265,7 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
         max_new_tokens=config.rollout.max_new_tokens,
         longest_prompt=max(len(episodes.prompt_ids(p)) for p in [*data.train, *data.eval]),
         seed=config.seed,
-        version=trainer.version,
+        version=version,
     )
     order = PromptOrder(data.train, seed=config.data.shuffle_seed)
     schedule = config.scheduler
@@ -272,7 +285,6 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
         memory_limit_mb=config.verifier.memory_limit_mb,
     )
     overlap = not config.deterministic
-    backend = LocalBackend(engine, trainer, pool, tokenizer, overlap=overlap)
     sampling = SamplingParams(
         max_new_tokens=config.rollout.max_new_tokens,
         temperature=config.rollout.temperature,
@@ -291,9 +303,14 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
 
     sink = MetricsSink(run_dir, tensorboard=config.log.tensorboard, wandb=config.log.wandb,
                        config=config.model_dump(mode="json"),
-                       resume_step=trainer.version if resume else None)
+                       resume_step=version if resume else None)
     elapsed_before = meta["wall_seconds"] if meta else 0.0
+    trainer = backend = None  # started inside the try, so the finally closes whatever did start
     try:
+        trainer = start_trainer(config, model, tokenizer)
+        backend = LocalBackend(engine, trainer, pool, tokenizer, overlap=overlap)
+        if trainer_state is not None:
+            trainer.load_state_dict(trainer_state)
         initial_path = run_dir / "initial_eval.json"
         if initial_path.exists():
             initial = json.loads(initial_path.read_text())
@@ -389,8 +406,11 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
         return summary
     finally:
         sink.close()
-        await backend.close()
+        if backend is not None:
+            await backend.close()
         pool.close()
+        if trainer is not None:
+            close_trainer(trainer)
 
 
 async def initial_pass_rates(config: RunConfig, run_dir: Path, backend: LocalBackend, episodes: TextEpisodes,

@@ -17,6 +17,7 @@ from typing import Any
 
 from flashreinforce.rollout.async_engine import AsyncEngine
 from flashreinforce.rollout.engine import Engine
+from flashreinforce.trainer.process import TrainerProcess
 from flashreinforce.trainer.trainer import Trainer
 from flashreinforce.types import Generation, Prompt, SamplingParams, Trajectory, Verdict
 from flashreinforce.verifiers.pool import VerifierPool
@@ -125,7 +126,7 @@ class LocalBackend:
     def __init__(
         self,
         engine: Engine,
-        trainer: Trainer | None,
+        trainer: Trainer | TrainerProcess | None,
         pool: VerifierPool,
         tokenizer: Any,
         *,
@@ -178,7 +179,7 @@ class LocalBackend:
 
     async def push_weights(self) -> int:
         assert self.trainer is not None, "this backend was built for generation only"
-        await self.driver.load_weights(self.trainer.model.state_dict(), self.trainer.version)
+        await self.driver.load_weights(self.trainer.weights(), self.trainer.version)
         return self.trainer.version
 
     async def resume(self, partials: Sequence[Generation]) -> None:
@@ -197,7 +198,7 @@ class LocalBackend:
         self.trainer.load_state_dict(state)
 
     def save_model(self, directory: Path) -> None:
-        self.trainer.model.save_pretrained(directory, safe_serialization=True)
+        self.trainer.save_model(directory)
         self.tokenizer.save_pretrained(directory)
 
     def stats(self) -> dict[str, float]:

@@ -1,9 +1,12 @@
 """The local rollout engine: continuous batching over any Hugging Face causal LM, on token ids.
 
 One `step()` feeds one token to every running request (the next prompt token while a request is
-still reading its prompt, else its last sampled token) in ONE batched forward through the model's
+still reading its prompt, else its last sampled token) in one batched forward through the model's
 own code and a `SlotCache`, then samples every row with a few tensor ops. Requests join as slots
-free up and leave as they finish, so nobody is padded to the longest. Reading short prompts inline
+free up and leave as they finish, so nobody is padded to the longest. Attention still reads every
+row's KV up to the longest row's length, so when a few long rows run among many short ones (a long
+tail next to fresh requests) the step runs as two forwards, long rows and short rows (length_split):
+measured 8.1 -> 4.9 ms per step for 128 rows at 20 tokens beside 5 at 120. Reading short prompts inline
 costs no extra forward (on a CPU a forward's fixed cost dominates); a prompt + prefix longer than
 `prefill_threshold` gets one batched prefill forward when admitted instead.
 
@@ -42,6 +45,8 @@ class EngineStats:
     """Tokens kept from sampling; busy_slot_steps - sampled_tokens steps went to reading prompts inline."""
     step_seconds: float = 0.0
     """Wall time spent inside step()."""
+    split_steps: int = 0
+    """Decoding steps that ran as two forwards, long rows and short rows (length_split)."""
 
     @property
     def slot_utilization(self) -> float:
@@ -95,6 +100,32 @@ def append_forced_tokens(generation: Generation, token_ids: Sequence[int]) -> Ge
     )
 
 
+def length_split(positions: Sequence[int], min_saving: int) -> tuple[list[int], list[int]] | None:
+    """Rows to decode in two forwards, long and short, when that saves attention reads; else None.
+
+    One forward attends every row over the longest row's KV, n * (max + 1) row-positions. Two forwards,
+    the k longest rows then the rest, read k * (p_(1) + 1) + (n - k) * (p_(k+1) + 1) (p sorted descending).
+    Split at the best k when it saves at least `min_saving` row-positions and a third of the total, enough
+    to pay for the second forward's fixed cost.
+    """
+    n = len(positions)
+    if n < 2:
+        return None
+    order = sorted(range(n), key=lambda i: -positions[i])
+    longest = positions[order[0]] + 1
+    best_k, best_cost = 0, n * longest
+    for k in range(1, n):
+        if positions[order[k]] == positions[order[k - 1]]:
+            continue
+        cost = k * longest + (n - k) * (positions[order[k]] + 1)
+        if cost < best_cost:
+            best_k, best_cost = k, cost
+    saving = n * longest - best_cost
+    if not best_k or saving < max(min_saving, n * longest / 3):
+        return None
+    return sorted(order[:best_k]), sorted(order[best_k:])
+
+
 class Engine:
     """Continuous-batching generation with exact behavior log-probs, abort/resume and versioned weights.
 
@@ -116,10 +147,13 @@ class Engine:
         version: int = 0,
         seed: int = 0,
         prefill_threshold: int = 32,
+        split_min_saving: int = 4096,
     ):
         """`model` becomes the engine's own (set to eval mode, weights replaced by load_weights).
 
         max_context bounds prompt + generation. `seed` draws the stream keys of unseeded requests.
+        `split_min_saving`: a decoding step runs as two forwards, long rows and short rows, when that spares
+        attention at least this many row-positions of KV reads (see length_split).
         """
         config = model.config
         self._vocab_size = config.vocab_size
@@ -142,10 +176,13 @@ class Engine:
         self._check_ids("pad_token_id", (pad_token_id,))
         if prefill_threshold < 0:
             raise ValueError(f"prefill_threshold={prefill_threshold}: must be >= 0")
+        if split_min_saving < 0:
+            raise ValueError(f"split_min_saving={split_min_saving}: must be >= 0")
         self.model = model.eval()
         self.max_batch_size, self.max_context = max_batch_size, max_context
         self.eos_token_ids, self.pad_token_id, self.tokenizer = frozenset(eos), pad_token_id, tokenizer
         self.prefill_threshold = prefill_threshold
+        self.split_min_saving = split_min_saving
         self._version = version
         self._device = next(model.parameters()).device
         # sdpa takes a boolean mask (True = attend); eager adds the mask to the scores.
@@ -228,8 +265,10 @@ class Engine:
         with torch.inference_mode():
             finished = self._admit()
             n = len(self._running)
+            split = False
             if n:
-                tokens, logprobs, policy = self._sample(self._decode_forward())
+                logits, split = self._decode_forward()
+                tokens, logprobs, policy = self._sample(logits)
                 finished += self._record(tokens, logprobs, policy)
         s = self._stats
         self._stats = replace(
@@ -238,6 +277,7 @@ class Engine:
             busy_slot_steps=s.busy_slot_steps + n,
             available_slot_steps=s.available_slot_steps + self.max_batch_size * (n > 0),
             step_seconds=s.step_seconds + time.perf_counter() - start,
+            split_steps=s.split_steps + split,
         )
         return finished
 
@@ -428,16 +468,29 @@ class Engine:
         for r in requests:
             r.kv_len = r.length - 1
 
-    def _decode_forward(self) -> torch.Tensor:
-        """One token per running request, each at its own position; returns next-token logits (n, V)."""
+    def _decode_forward(self) -> tuple[torch.Tensor, bool]:
+        """One token per running request, each at its own position: (next-token logits (n, V), split?)."""
         positions_list = [r.kv_len for r in self._running]
+        split = length_split(positions_list, self.split_min_saving)
+        if split is None:
+            return self._forward_rows(None, positions_list), False
+        parts = [(rows, self._forward_rows(rows, [positions_list[i] for i in rows])) for rows in split]
+        logits = parts[0][1].new_empty(len(positions_list), parts[0][1].shape[-1])
+        for rows, part in parts:
+            logits[torch.tensor(rows, device=self._device)] = part
+        return logits, True
+
+    def _forward_rows(self, rows: list[int] | None, positions_list: list[int]) -> torch.Tensor:
+        """Decode forward for these running rows (None: all, in slot order); next-token logits (len(rows), V)."""
         positions = torch.tensor(positions_list, device=self._device)  # (n,)
         kv_length = max(positions_list) + 1
-        # Slot i attends to its own positions 0..kv_len[i]; later positions hold stale values.
+        # Row i attends to its own positions 0..kv_len[i]; later positions hold stale values.
         allowed = torch.arange(kv_length, device=self._device)[None, :] <= positions[:, None]  # (n, L)
-        self._cache.plan_decode(positions, kv_length)
+        running = self._running if rows is None else [self._running[i] for i in rows]
+        slots = None if rows is None else torch.tensor(rows, device=self._device)
+        self._cache.plan_decode(positions, kv_length, slots)
         out = self.model(
-            input_ids=torch.tensor([r.next_input() for r in self._running], device=self._device)[:, None],  # (n, 1)
+            input_ids=torch.tensor([r.next_input() for r in running], device=self._device)[:, None],  # (n, 1)
             attention_mask=self._attention_mask(allowed[:, None, None, :]),  # (n, 1, 1, L)
             position_ids=positions[:, None],  # (n, 1)
             cache=self._cache,

@@ -23,9 +23,13 @@ class SlotCache(Cache):
         self._values: dict[int, torch.Tensor] = {}  # layer -> (S, H_kv, T, D_v)
         self._plan: tuple = ()
 
-    def plan_decode(self, positions: torch.Tensor, kv_length: int) -> None:
-        """Next forward feeds one token to each of slots 0..n-1, at positions (n,); attend over [0, kv_length)."""
-        self._plan = ("decode", positions, torch.arange(len(positions), device=positions.device), kv_length)
+    def plan_decode(self, positions: torch.Tensor, kv_length: int, slots: torch.Tensor | None = None) -> None:
+        """Next forward feeds one token to each of `slots` (default 0..n-1), at positions (n,); attend over
+        [0, kv_length). Slots other than 0..n-1 are read through a copy of their first kv_length positions."""
+        compact = slots is None
+        if compact:
+            slots = torch.arange(len(positions), device=positions.device)
+        self._plan = ("decode", positions, slots, kv_length, compact)
 
     def plan_prefill(self, first_slot: int, num_rows: int, length: int) -> None:
         """Next forward feeds positions 0..length-1 of slots first_slot..first_slot+num_rows-1 (fresh requests)."""
@@ -41,11 +45,13 @@ class SlotCache(Cache):
             self._values[layer_idx] = value_states.new_zeros(S, value_states.shape[1], T, value_states.shape[3])
         keys, values = self._keys[layer_idx], self._values[layer_idx]
         if self._plan[0] == "decode":
-            _, positions, rows, kv_length = self._plan
-            keys[rows, :, positions] = key_states[:, :, 0]  # (n, H_kv, D) into slot n at its own position
-            values[rows, :, positions] = value_states[:, :, 0]
-            n = len(rows)
-            return keys[:n, :, :kv_length], values[:n, :, :kv_length]
+            _, positions, slots, kv_length, compact = self._plan
+            keys[slots, :, positions] = key_states[:, :, 0]  # (n, H_kv, D) into each slot at its own position
+            values[slots, :, positions] = value_states[:, :, 0]
+            if compact:
+                n = len(slots)
+                return keys[:n, :, :kv_length], values[:n, :, :kv_length]
+            return keys[:, :, :kv_length].index_select(0, slots), values[:, :, :kv_length].index_select(0, slots)
         _, first, num_rows, length = self._plan
         keys[first : first + num_rows, :, :length] = key_states
         values[first : first + num_rows, :, :length] = value_states

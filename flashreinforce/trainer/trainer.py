@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -212,6 +213,14 @@ class Trainer:
             metrics[f"loss/{name}"] = float(torch.cat(chunks).mean())
         metrics.update({f"loss/{name}": value for name, value in scalars.items()})
         return metrics
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's weights (what the engine loads at a push)."""
+        return self.model.state_dict()
+
+    def save_model(self, directory: Path) -> None:
+        """The model in Hugging Face format (safetensors)."""
+        self.model.save_pretrained(directory, safe_serialization=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {

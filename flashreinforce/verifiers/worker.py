@@ -13,14 +13,13 @@ SystemExit) ends the process, and a segfault or os._exit ends it anyway: the poo
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
-import signal
 import sys
 import time
 from multiprocessing.connection import Connection
 
+from flashreinforce.lifetime import die_with_parent
 from flashreinforce.types import Verdict
 from flashreinforce.verifiers.rewards import RewardFn, load_reward_fn, to_verdict
 
@@ -28,7 +27,7 @@ _MAX_MESSAGE = 300  # characters of an exception message kept in a Verdict reaso
 
 
 def main(fd: int, pool_pid: int) -> None:
-    _die_with_parent(pool_pid)
+    die_with_parent(pool_pid)
     conn = Connection(fd)
     sys_path, refs, memory_limit_mb = conn.recv()
     sys.path[:] = sys_path  # so "package.module:fn" resolves as in the trainer
@@ -75,16 +74,6 @@ def _describe(error: BaseException) -> str:
     if len(message) > _MAX_MESSAGE:
         message = message[:_MAX_MESSAGE] + "..."
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
-
-
-def _die_with_parent(pool_pid: int) -> None:
-    """Linux: SIGKILL this worker when the pool's process dies, even mid-call in a hung reward function."""
-    if sys.platform != "linux":
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != pool_pid:  # the pool died before prctl took effect
-        os._exit(0)
 
 
 def _one_torch_thread() -> None:

@@ -59,9 +59,15 @@ def test_quick_run_reports_every_kind_and_urb_trains_exactly_its_data_group(tmp_
             assert sorted(s["positions"]) == list(range(t * batch, (t + 1) * batch)), (kind, t)
         assert report["kinds"][kind]["ks_difficulty_vs_sync"] == 0.0
         assert report["kinds"][kind]["ks_difficulty_vs_data"] == 0.0
+        assert report["kinds"][kind]["off_step_fraction"] == 0.0
+    # april trains whatever finished first: some prompts leave their data step
+    assert report["kinds"]["april"]["off_step_fraction"] > 0
+    for kind, row in report["kinds"].items():
+        assert 0 < row["decode_ms"] < 1000, (kind, row)
     assert report["kinds"]["sync"]["lag_max"] == 0 and report["kinds"]["sync"]["ks_length_vs_sync"] == 0.0
     assert report["kinds"]["urb"]["lag_max"] <= 1 and report["kinds"]["stream"]["lag_max"] <= 1  # N=2, S=1
     assert report["kinds"]["sync"]["speedup_vs_sync"] == 1.0
 
-    again = _run(tmp_path, "--kinds", "sync", "--steps", "2")
+    again = _run(tmp_path, "--kinds", "sync", "--steps", "2", "--trainer", "process")
     assert again["warm_start"] == {**report["warm_start"], "reused": True}
+    assert again["settings"]["config"]["backend"]["trainer_process"] is True

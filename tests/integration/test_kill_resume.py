@@ -28,8 +28,8 @@ def _run(command: list[str]) -> None:
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
 
 
-def _kill_midway(command: list[str], run_dir: Path, after_step: int, delay: float) -> None:
-    """Start a run, SIGKILL it `delay` seconds after checkpoint `after_step` appears."""
+def _kill_midway(command: list[str], run_dir: Path, after_step: int, delay: float) -> int:
+    """Start a run, SIGKILL it `delay` seconds after checkpoint `after_step` appears; returns its pid."""
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
@@ -42,6 +42,21 @@ def _kill_midway(command: list[str], run_dir: Path, after_step: int, delay: floa
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait()
+    return process.pid
+
+
+def _trainer_children(parent_pid: int) -> list[int]:
+    """Live trainer processes started by `parent_pid` (their command line names it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"flashreinforce.trainer.process" in argv and argv[-2:-1] == [str(parent_pid).encode()] and state != "Z":
+            found.append(int(entry.name))
+    return found
 
 
 def _final_ledger(run_dir: Path) -> Ledger:
@@ -88,4 +103,15 @@ def test_overlapped_kill_and_resume_trains_every_rollout_once(tiny_run, tmp_path
     run_dir = tmp_path / "run"
     _kill_midway(_command(run_dir, tiny_run), run_dir, after_step=3, delay=delay)
     _run([sys.executable, "-m", "flashreinforce", "train", "--resume", str(run_dir)])
+    _assert_complete(run_dir)
+
+
+def test_a_trainer_process_dies_with_a_killed_run_which_then_resumes(tiny_run, tmp_path):
+    run_dir = tmp_path / "run"
+    pid = _kill_midway(_command(run_dir, tiny_run, "backend.trainer_process=true"), run_dir, after_step=3, delay=0.1)
+    deadline = time.monotonic() + 10
+    while _trainer_children(pid):  # SIGKILLed by the kernel with its parent (lifetime.die_with_parent)
+        assert time.monotonic() < deadline, "the trainer process outlived its killed run"
+        time.sleep(0.05)
+    _run([sys.executable, "-m", "flashreinforce", "train", "--resume", str(run_dir), "backend.trainer_process=true"])
     _assert_complete(run_dir)

@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from flashreinforce.models import build_char_tokenizer, build_model, token_logprobs
 from flashreinforce.rollout import Engine, append_forced_tokens
+from flashreinforce.rollout.engine import length_split
 from flashreinforce.rollout.sampling import processed_logprobs
 from flashreinforce.types import FORCED_VERSION, SamplingParams
 
@@ -311,8 +312,41 @@ def test_other_hugging_face_architectures(architecture):
         "qwen2-eager": (sharp_model().config, "eager"),
     }[architecture]
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
-    engine = Engine(model, max_batch_size=2, max_context=32, prefill_threshold=3)
+    engine = Engine(model, max_batch_size=2, max_context=32, prefill_threshold=3, split_min_saving=0)
     submit_mix(engine, n=4)
-    for g in run(engine).values():
+    out = run(engine)
+    assert engine.stats.split_steps > 0
+    for g in out.values():
+        recomputed, _ = token_logprobs(model, torch.tensor([g.prompt_ids + g.token_ids]), with_entropy=False)
+        assert (recomputed[0, len(g.prompt_ids) :] - torch.tensor(g.behavior_logprobs)).abs().max() < 1e-5
+
+
+def test_length_split_separates_a_long_tail_only_when_it_pays():
+    assert length_split([100, 2, 3, 1], min_saving=0) == ([0], [1, 2, 3])
+    assert length_split([5, 90, 4, 88, 6], min_saving=0) == ([1, 3], [0, 2, 4])
+    # one forward over 4 x 101 row-positions vs 101 + 3 x 4: saves 291, under a floor of 300
+    assert length_split([100, 2, 3, 1], min_saving=300) is None
+    assert length_split([7, 7, 7], min_saving=0) is None  # nothing to spare
+    assert length_split([9, 8, 7, 6], min_saving=0) is None  # spares less than a third of the reads
+    assert length_split([3], min_saving=0) is None
+
+
+@pytest.mark.parametrize("prefill_threshold", [0, 100])
+def test_split_steps_give_the_tokens_and_logprobs_of_single_forward_steps(model, prefill_threshold):
+    # A long request decodes among short ones that keep joining: most steps split when allowed to.
+    def generate(split_min_saving):
+        engine = Engine(model, max_batch_size=6, max_context=96, prefill_threshold=prefill_threshold,
+                        split_min_saving=split_min_saving)
+        engine.submit("long", [3] * 30, SamplingParams(max_new_tokens=50, seed=9))
+        for _ in range(25):
+            engine.step()
+        submit_mix(engine, n=9)
+        return run(engine), engine.stats
+
+    (split, split_stats), (whole, whole_stats) = generate(split_min_saving=0), generate(split_min_saving=10**9)
+    assert whole_stats.split_steps == 0 and split_stats.split_steps > 10
+    assert split.keys() == whole.keys() and len(split) == 10
+    for request_id, g in split.items():
+        assert g.token_ids == whole[request_id].token_ids, request_id
         recomputed, _ = token_logprobs(model, torch.tensor([g.prompt_ids + g.token_ids]), with_entropy=False)
         assert (recomputed[0, len(g.prompt_ids) :] - torch.tensor(g.behavior_logprobs)).abs().max() < 1e-5

@@ -27,3 +27,16 @@ def test_move_copies_slots_to_keep_running_requests_compact():
     cache.move(src=[2], dst=[0], length=2)
     assert cache._keys[0][:, 0, :2, 0].tolist() == [[2, 2], [1, 1], [2, 2]]
     assert cache._values[0][0, 0, 0, 0] == -2
+
+
+def test_decode_of_chosen_slots_writes_them_and_reads_their_prefixes_only():
+    cache = SlotCache(num_slots=4, max_context=8)
+    cache.plan_prefill(first_slot=0, num_rows=3, length=5)
+    keys = torch.arange(3.0)[:, None, None, None].expand(3, 1, 5, 3).clone()  # slot s holds s everywhere
+    cache.update(keys, -keys, layer_idx=0)
+    cache.plan_decode(torch.tensor([1, 2]), kv_length=3, slots=torch.tensor([2, 0]))
+    k, v = cache.update(*states(2, 1, 1, fill=9), layer_idx=0)
+    assert k.shape == (2, 1, 3, 3)  # rows in the order asked, positions [0, 3)
+    assert k[:, 0, :, 0].tolist() == [[2, 9, 2], [0, 0, 9]]
+    assert v[0, 0, 1, 0] == -9
+    assert cache._keys[0][1, 0, :, 0].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]  # an unchosen slot is untouched

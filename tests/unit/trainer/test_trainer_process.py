@@ -1,0 +1,131 @@
+"""TrainerProcess: the same steps as an inline Trainer, its errors raised here, its death detected."""
+
+import dataclasses
+import os
+import signal
+
+import pytest
+import torch
+
+from flashreinforce.models import build_model
+from flashreinforce.trainer.process import TrainerProcess, TrainerProcessError
+from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
+from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
+
+VOCAB = 12
+
+
+def tiny_trainer(model: torch.nn.Module) -> Trainer:
+    """The factory the child runs (module level, so it is importable there by name)."""
+    torch.manual_seed(0)
+    return Trainer(
+        model,
+        loss="flashreinforce",
+        loss_options={},
+        optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0,
+                                    total_steps=10, min_lr_ratio=1.0, grad_clip=1.0),
+        microbatch_size=4,
+        pad_token_id=0,
+        temperature=1.0,
+        max_new_tokens=8,
+    )
+
+
+def broken_trainer(model: torch.nn.Module) -> Trainer:
+    raise ValueError("trainer.lr: this factory refuses to build")
+
+
+def batch(seed: int) -> list[Trajectory]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(6):
+        n = 3 + int(torch.randint(0, 5, (1,), generator=g))
+        tokens = tuple(int(t) for t in torch.randint(1, VOCAB, (n,), generator=g))
+        mask = tuple(int(j >= 2) for j in range(n))
+        reward = float(i % 2)
+        rows.append(Trajectory(
+            key=RolloutKey(f"p{i}", 0), prompt=Prompt(id=f"p{i}", prompt="x", ground_truth="1"), group=i,
+            tokens=tokens, loss_mask=mask, behavior_logprobs=tuple(-2.0 * m for m in mask),
+            policy_versions=tuple(0 if m else FORCED_VERSION for m in mask), prompt_length=2,
+            finish_reason="stop", verdict=Verdict(reward=reward, passed=reward > 0)))
+    return rows
+
+
+def model() -> torch.nn.Module:
+    return build_model(VOCAB, 16, 1, 2, 32, seed=3)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the child's setting: same kernels, same rounding
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_steps_match_an_inline_trainer_and_weights_are_published(one_thread, tmp_path):
+    inline = tiny_trainer(model())
+    remote = TrainerProcess(tiny_trainer, (model(),), template=inline.weights(), threads=1)
+    try:
+        assert remote.version == 0
+        for step in range(3):
+            expected = inline.step(batch(step))
+            got = remote.step(batch(step))
+            assert remote.version == inline.version == step + 1
+            assert got.keys() == expected.keys()
+            assert got["loss/policy"] == pytest.approx(expected["loss/policy"], rel=1e-6, abs=1e-9)
+            published = remote.weights()
+            for name, tensor in inline.weights().items():
+                torch.testing.assert_close(published[name], tensor, rtol=1e-6, atol=1e-7)
+        # optimizer state and version round-trip through the pipe
+        state = remote.state_dict()
+        assert state["version"] == 3
+        assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], inline.state_dict()["optimizer"]["state"][0]["exp_avg"])
+        remote.save_model(tmp_path / "model")
+        saved = type(inline.model).from_pretrained(tmp_path / "model")
+        for name, tensor in saved.state_dict().items():
+            torch.testing.assert_close(tensor, remote.weights()[name])
+    finally:
+        remote.close()
+
+
+def test_load_state_dict_restores_version_and_optimizer(one_thread):
+    source = tiny_trainer(model())
+    source.step(batch(0))
+    remote = TrainerProcess(tiny_trainer, (model(),), template=source.weights(), threads=1)
+    try:
+        remote.load_state_dict(source.state_dict())
+        assert remote.version == 1
+        assert remote.state_dict()["schedule"] == source.state_dict()["schedule"]
+    finally:
+        remote.close()
+
+
+def test_an_error_in_the_child_is_raised_here_with_its_traceback():
+    with pytest.raises(ValueError, match="this factory refuses") as caught:
+        TrainerProcess(broken_trainer, (model(),), template=model().state_dict(), threads=1)
+    assert any("trainer process" in note and "broken_trainer" in note for note in caught.value.__notes__)
+
+    remote = TrainerProcess(tiny_trainer, (model(),), template=model().state_dict(), threads=1)
+    try:
+        row = batch(0)[0]
+        with pytest.raises(ValueError, match="no sampled tokens") as caught:  # the trainer's own check
+            remote.step([dataclasses.replace(row, loss_mask=(0,) * len(row.tokens))])
+        assert any("'step'" in note for note in caught.value.__notes__)
+        remote.step(batch(1))  # the child survives a refused batch
+        assert remote.version == 1
+    finally:
+        remote.close()
+
+
+def test_a_dead_child_is_reported_with_its_exit_code():
+    remote = TrainerProcess(tiny_trainer, (model(),), template=model().state_dict(), threads=1)
+    try:
+        os.kill(remote._proc.pid, signal.SIGKILL)
+        with pytest.raises(TrainerProcessError, match=r"code -9"):
+            remote.step(batch(0))
+    finally:
+        remote.close()
+    remote.close()  # twice is fine
+    with pytest.raises(TrainerProcessError, match="closed"):
+        remote.state_dict()
