@@ -12,7 +12,7 @@ engine's threads. It dies with its parent (a killed run leaves no trainer comput
 Messages are plain pickles over a socket pair, so tensors in them travel by value: the model once at the
 start, optimizer state at a checkpoint.
 
-Weights: the parent lays the model's state dict out in one shared file (/dev/shm where there is one) that
+Weights: the parent lays the model's state dict out in one shared file (in /dev/shm when it has room) that
 both processes map. The child copies its weights there after every step and load, so between calls
 `weights()` holds the weights of `version` and the engine loads them from there without pickling.
 
@@ -77,6 +77,20 @@ def _map(path: str, slots: Sequence[_Slot], nbytes: int) -> dict[str, torch.Tens
         flat = torch.empty(0, dtype=slot.dtype).set_(storage, slot.offset // size, (_numel(slot.shape),))
         tensors[slot.name] = flat.view(slot.shape)
     return tensors
+
+
+def _weights_dir(nbytes: int) -> str:
+    """/dev/shm when it can hold the weights (containers often cap it at 64 MB, and a mapping past a tmpfs's
+    size dies with SIGBUS), else the temp directory, whose page cache both processes share just as well."""
+    for directory in ("/dev/shm", tempfile.gettempdir()):
+        if os.path.isdir(directory):
+            stat = os.statvfs(directory)
+            if stat.f_bavail * stat.f_frsize >= 2 * nbytes:
+                return directory
+    raise TrainerProcessError(
+        f"no room for the trainer process's shared weights ({nbytes / 2**20:.0f} MB, twice that free needed) in "
+        f"/dev/shm or {tempfile.gettempdir()}; free space there, point TMPDIR at a larger disk, or set "
+        "backend.trainer_process=false")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -161,8 +175,7 @@ class TrainerProcess:
     def __init__(self, factory: Callable[..., Trainer], args: tuple, *, template: Mapping[str, torch.Tensor],
                  threads: int) -> None:
         slots, nbytes = _layout(template)
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        handle, path = tempfile.mkstemp(prefix="flashreinforce-weights-", dir=shm)
+        handle, path = tempfile.mkstemp(prefix="flashreinforce-weights-", dir=_weights_dir(nbytes))
         os.close(handle)
         self._lock = threading.Lock()
         self.version = 0

@@ -129,3 +129,20 @@ def test_a_dead_child_is_reported_with_its_exit_code():
     remote.close()  # twice is fine
     with pytest.raises(TrainerProcessError, match="closed"):
         remote.state_dict()
+
+
+def test_the_shared_weights_go_where_there_is_room(monkeypatch, tmp_path):
+    from flashreinforce.trainer import process
+
+    class Full:
+        f_bavail, f_frsize = 0, 4096
+
+    class Roomy:
+        f_bavail, f_frsize = 10**6, 4096
+
+    monkeypatch.setattr(process.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(process.os, "statvfs", lambda d: Full if d == "/dev/shm" else Roomy)
+    assert process._weights_dir(2**20) == str(tmp_path)  # a capped /dev/shm (containers: 64 MB) is skipped
+    monkeypatch.setattr(process.os, "statvfs", lambda d: Full)
+    with pytest.raises(TrainerProcessError, match="backend.trainer_process=false"):
+        process._weights_dir(2**20)
