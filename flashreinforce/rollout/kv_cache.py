@@ -2,7 +2,8 @@
 
 keys[layer] and values[layer] are (S, H_kv, T, D): slot s holds request s's keys at positions
 0..T-1. Running requests occupy slots 0..n-1 (the engine keeps them compact), so a decoding step
-attends over the view keys[:n, :, :L] without copying or concatenating anything. The cache only
+attends over the view keys[:n, :, :L] without copying or concatenating anything; a step split into
+long and short rows reads each part's slots through a copy of their first L positions. The cache only
 stores and returns tensors; masks, positions and which token goes where are the engine's business,
 set before each forward with `plan_decode` or `plan_prefill`.
 """
