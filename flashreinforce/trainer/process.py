@@ -23,6 +23,7 @@ with its exit code.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
@@ -74,7 +75,7 @@ def _map(path: str, slots: Sequence[_Slot], nbytes: int) -> dict[str, torch.Tens
     tensors = {}
     for slot in slots:
         size = slot.dtype.itemsize
-        flat = torch.empty(0, dtype=slot.dtype).set_(storage, slot.offset // size, (_numel(slot.shape),))
+        flat = torch.empty(0, dtype=slot.dtype).set_(storage, slot.offset // size, (math.prod(slot.shape),))
         tensors[slot.name] = flat.view(slot.shape)
     return tensors
 
@@ -91,13 +92,6 @@ def _weights_dir(nbytes: int) -> str:
         f"no room for the trainer process's shared weights ({nbytes / 2**20:.0f} MB, twice that free needed) in "
         f"/dev/shm or {tempfile.gettempdir()}; free space there, point TMPDIR at a larger disk, or set "
         "backend.trainer_process=false")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _send(conn: Connection, message: Any) -> None:
