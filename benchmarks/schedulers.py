@@ -12,8 +12,10 @@ steps, through the real RLLoop + LocalBackend (overlapped: engine thread, traine
 process with --trainer process, verifier processes) with FlashREINFORCE, one rollout per prompt, B = batch groups, no evals, in-flight weight
 updates (the default). The engine has B * (max_lag + 1) slots for every kind: U-RB's inference pool holds
 B * N prompts, and an engine with only B slots would starve it; sync cannot use more than B.
-Kind options are the library defaults: april over_provision 2, urb buffer_size N=2 (lag <= 1), stream
-max_staleness S=1 (lag <= 1), gate. Measured per kind, over the steps after the first --warmup:
+Kind options are the library defaults (april over_provision 2, stream gate) except the lag bound, which
+--max-lag sweeps: urb and stream run once per bound L (urb buffer_size N = L + 1, stream max_staleness
+S = L; the library default is L = 1), sync and april once, their engine sized for the first bound. A row
+is one (kind, lag bound). Measured per row, over the steps after the first --warmup:
 - steps/s: optimizer steps / wall seconds between the end of step `warmup` and the end of the last;
 - slot util: the engine's busy / available slot-steps (EngineStats) over that window; engine busy:
   its seconds inside step() / wall seconds (sync's engine idles while the learner trains); decode ms/step:
@@ -25,10 +27,10 @@ max_staleness S=1 (lag <= 1), gate. Measured per kind, over the steps after the 
   against the data order's over the same positions (what sync and urb train by construction); and the
   share of trained prompts trained at another step than their data-order step (t != position // B), with
   the mean |delay| in steps: 0 for an order-preserving scheduler.
-With --repeats R the kinds run R times, interleaved; speed columns show the median run, bias and
+With --repeats R the rows run R times, interleaved; speed columns show the median run, bias and
 lag pool all runs.
 
-    python benchmarks/schedulers.py                  # the default run (SFT once, then ~1 min per kind)
+    python benchmarks/schedulers.py                  # the default run (SFT once, then ~20 s per row)
     python benchmarks/schedulers.py --quick          # smoke run, under a minute with its warm start
     flashreinforce bench schedulers --repeats 3 --json bench-out/schedulers.json
 """
@@ -70,6 +72,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import Machine
 
 KINDS = ("sync", "april", "urb", "stream")
+LAG_BOUNDED = ("urb", "stream")
+"""The kinds whose lag bound is a knob (urb's N, stream's S): run once per --max-lag."""
 OTHER_CORES_NOISY = 0.25
 """Other processes using more than this many cores on average during a run make its timings suspect."""
 DIGIT_WEIGHTS = [0.35, 0.35, 0.25] + [0.0] * 12 + [0.05]
@@ -120,6 +124,8 @@ class Step:
 @dataclass
 class KindRun:
     kind: str
+    max_lag: int
+    """The --max-lag bound whose config the run used (sync and april: the first, which sizes their engine)."""
     steps: list[Step] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)
     setup_seconds: float = 0.0
@@ -193,6 +199,16 @@ def batch_record(version: int, metrics: dict[str, float], batch: Sequence[Trajec
     )
 
 
+def variants(kinds: Sequence[str], lags: Sequence[int]) -> list[tuple[str, str, int]]:
+    """(row name, kind, lag bound) per row: the lag-bounded kinds at every bound, the others at the first.
+
+    Example: variants(["sync", "urb"], [1, 2]) == [("sync", "sync", 1), ("urb lag<=1", "urb", 1),
+    ("urb lag<=2", "urb", 2)].
+    """
+    return [(f"{kind} lag<={lag}" if kind in LAG_BOUNDED else kind, kind, lag)
+            for kind in kinds for lag in (lags if kind in LAG_BOUNDED else lags[:1])]
+
+
 async def run_kind(kind: str, config: RunConfig, data: Data, warm_dir: Path) -> KindRun:
     """One RL run of `kind` from the cached warm start; returns what every step trained, and when."""
     setup_started = time.perf_counter()
@@ -220,7 +236,7 @@ async def run_kind(kind: str, config: RunConfig, data: Data, warm_dir: Path) -> 
                                 top_k=rollout.top_k, top_p=rollout.top_p),
         seed=config.seed, checkpoint_every=0, eval_every=0, overlap=True,
     )
-    result = KindRun(kind)
+    result = KindRun(kind, max_lag=config.scheduler.max_staleness)
     started = time.perf_counter()
     loop = RLLoop(backend, scheduler, episodes, settings,
                   on_step=lambda version, metrics, batch: result.steps.append(
@@ -269,20 +285,22 @@ def speed(run: KindRun, warmup: int) -> dict[str, float]:
 
 def summarize(runs: dict[str, list[KindRun]], data_difficulty: list[float], warmup: int, first_steps: int,
               batch: int) -> dict:
-    """Per kind: speed of its median run; lag and bias pooled over its runs."""
-    pooled = {kind: [s for run in kind_runs for s in run.steps] for kind, kind_runs in runs.items()}
+    """Per row: speed of its median run; lag and bias pooled over its runs."""
+    pooled = {name: [s for run in kind_runs for s in run.steps] for name, kind_runs in runs.items()}
     sync_difficulty = [d for s in pooled.get("sync", []) for d in s.difficulties]
     sync_length = [n for s in pooled.get("sync", []) for n in s.lengths]
     data_early = data_difficulty[:first_steps * batch]
     rows = {}
-    for kind, kind_runs in runs.items():
+    for name, kind_runs in runs.items():
         speeds = sorted((speed(run, warmup) for run in kind_runs), key=lambda r: r["steps_per_second"])
-        steps = pooled[kind]
+        steps = pooled[name]
         difficulty = [d for s in steps for d in s.difficulties]
         length = [n for s in steps for n in s.lengths]
         early = [d for run in kind_runs for s in run.steps[:first_steps] for d in s.difficulties]
         delays = [t - p // batch for run in kind_runs for t, s in enumerate(run.steps) for p in s.positions]
-        rows[kind] = {
+        rows[name] = {
+            "kind": kind_runs[0].kind,
+            "max_lag": kind_runs[0].max_lag,
             **speeds[len(speeds) // 2],
             "steps_per_second_runs": [r["steps_per_second"] for r in speeds],
             "other_cores_runs": [run.other_cores for run in kind_runs],
@@ -319,12 +337,13 @@ def print_table(rows: dict, data_mean: float, data_first_mean: float, first_step
           f"| mean difficulty (data {data_mean:.2f}) | first {first_steps} steps: mean difficulty "
           f"(data {data_first_mean:.2f}), KS vs data |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for kind, r in rows.items():
+    for name, r in rows.items():
         runs = r["steps_per_second_runs"]
         spread = f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else ""
         vs = f"{r['speedup_vs_sync']:.2f}x" if "speedup_vs_sync" in r else "-"
         ks = [f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("ks_difficulty_vs_sync", "ks_length_vs_sync")]
-        print(f"| `{kind}` | {r['steps_per_second']:.3f}{spread} | {vs} | {r['slot_utilization']:.0%} "
+        label = f"`{r['kind']}`" + (f" lag ≤ {r['max_lag']}" if r["kind"] in LAG_BOUNDED else "")
+        print(f"| {label} | {r['steps_per_second']:.3f}{spread} | {vs} | {r['slot_utilization']:.0%} "
               f"| {r['engine_busy']:.0%} | {r['decode_ms']:.2f} | {r['trainer_busy']:.0%} | {r['lag_mean']:.2f} / {r['lag_max']} "
               f"| {r['off_step_fraction']:.1%} ({r['mean_abs_delay']:.2f} steps) | {ks[0]} | {ks[1]} "
               f"| {r['mean_difficulty']:.2f} | {r['mean_difficulty_first_steps']:.2f}, "
@@ -334,14 +353,16 @@ def print_table(rows: dict, data_mean: float, data_first_mean: float, first_step
 def check_goals(rows: dict, early_critical: float) -> list[str]:
     """The issue's goals, each as 'met' / 'NOT met' with the figure."""
     lines = []
-    for kind in ("urb", "stream"):
-        if kind in rows and "speedup_vs_sync" in rows[kind]:
-            x = rows[kind]["speedup_vs_sync"]
-            lines.append(f"goal {kind} >= 1.5x sync steps/s: {x:.2f}x, {'met' if x >= 1.5 else 'NOT met'}")
-    if "urb" in rows and rows["urb"]["ks_difficulty_vs_sync"] is not None:
-        ks = max(rows["urb"]["ks_difficulty_vs_sync"], rows["urb"]["ks_length_vs_sync"])
-        lines.append(f"goal urb as unbiased as sync (KS <= 0.05): largest KS {ks:.3f}, "
-                     f"{'met' if ks <= 0.05 else 'NOT met'}")
+    for r in rows.values():
+        if r["kind"] in LAG_BOUNDED and "speedup_vs_sync" in r:
+            x = r["speedup_vs_sync"]
+            lines.append(f"goal {r['kind']} >= 1.5x sync steps/s, lag <= {r['max_lag']}: {x:.2f}x, "
+                         f"{'met' if x >= 1.5 else 'NOT met'}")
+    for r in rows.values():
+        if r["kind"] == "urb" and r["ks_difficulty_vs_sync"] is not None:
+            ks = max(r["ks_difficulty_vs_sync"], r["ks_length_vs_sync"])
+            lines.append(f"goal urb as unbiased as sync (KS <= 0.05), lag <= {r['max_lag']}: largest KS {ks:.3f}, "
+                         f"{'met' if ks <= 0.05 else 'NOT met'}")
     if "april" in rows:
         r = rows["april"]
         # The data order is what an unbiased scheduler trains at each step; april trains whatever finished first,
@@ -363,16 +384,17 @@ def plot(rows: dict, data_difficulty: list[float], batch: int, path: Path) -> No
     import matplotlib.pyplot as plt
 
     figure, (bars, drift, cdf) = plt.subplots(1, 3, figsize=(15, 4))
-    kinds = list(rows)
-    bars.bar(kinds, [rows[k]["steps_per_second"] for k in kinds], color=[f"C{i}" for i in range(len(kinds))])
+    names = list(rows)
+    bars.bar(names, [rows[k]["steps_per_second"] for k in names], color=[f"C{i}" for i in range(len(names))])
+    bars.tick_params(axis="x", labelrotation=30)
     bars.set_title("optimizer steps / s (median run)")
-    for i, kind in enumerate(kinds):
-        steps = rows[kind]["runs"][0]
+    for i, name in enumerate(names):
+        steps = rows[name]["runs"][0]
         trained = np.cumsum([sum(s["difficulties"]) for s in steps]) / np.cumsum([len(s["difficulties"]) for s in steps])
-        drift.plot(range(1, len(steps) + 1), trained, color=f"C{i}", label=kind)
-        lengths = np.sort([n for run in rows[kind]["runs"] for s in run for n in s["lengths"]])
-        cdf.step(lengths, np.arange(1, len(lengths) + 1) / len(lengths), where="post", color=f"C{i}", label=kind)
-    steps = len(rows[kinds[0]]["runs"][0])
+        drift.plot(range(1, len(steps) + 1), trained, color=f"C{i}", label=name)
+        lengths = np.sort([n for run in rows[name]["runs"] for s in run for n in s["lengths"]])
+        cdf.step(lengths, np.arange(1, len(lengths) + 1) / len(lengths), where="post", color=f"C{i}", label=name)
+    steps = len(rows[names[0]]["runs"][0])
     data = np.cumsum(data_difficulty[:steps * batch])[batch - 1::batch] / np.arange(batch, steps * batch + 1, batch)
     drift.plot(range(1, steps + 1), data, color="k", linestyle=":", label="data order")
     drift.set_title("mean difficulty (columns) trained up to each step")
@@ -390,15 +412,17 @@ def plot(rows: dict, data_difficulty: list[float], batch: int, path: Path) -> No
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, help="optimizer steps per kind (default 40; --quick 6)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default 40; --quick 6)")
     parser.add_argument("--batch", type=int, help="prompts per step, B (default 128; --quick 32); engine slots B * (max lag + 1)")
     parser.add_argument("--warmup", type=int, help="first steps left out of the speed figures (default 3; --quick 1)")
     parser.add_argument("--first-steps", type=int, default=5, help="how many first steps the early bias column spans")
-    parser.add_argument("--max-lag", type=int, default=1, help="lag bound of urb (N = it + 1) and stream (S = it)")
+    parser.add_argument("--max-lag", type=int, nargs="+", default=[1, 2],
+                        help="lag bounds to run urb (N = L + 1) and stream (S = L) at (default 1 2; the library's "
+                             "default is 1); sync and april run once, with the engine of the first")
     parser.add_argument("--trainer", choices=("thread", "process"), default="thread",
                         help="where the optimizer step runs: a thread beside the engine (the library default) or its "
                              "own process (backend.trainer_process)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per kind, interleaved (speed: median run)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row, interleaved (speed: median run)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ",".join(KINDS))
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "bench-out",
                         help="folder of the warm-start cache and the PNG (default bench-out/)")
@@ -411,7 +435,7 @@ def parse_args() -> argparse.Namespace:
     args.kinds = [k.strip() for k in args.kinds.split(",")]
     if unknown := sorted(set(args.kinds) - set(KINDS)):
         raise ValueError(f"--kinds: unknown {unknown}; choose from {','.join(KINDS)}")
-    if args.max_lag < 1:
+    if min(args.max_lag) < 1:
         raise ValueError(f"--max-lag {args.max_lag}: use 1 or more (0 would make urb and stream synchronous)")
     if not 0 <= args.warmup < args.steps:
         raise ValueError(f"--warmup {args.warmup} must leave steps to measure out of --steps {args.steps}")
@@ -420,7 +444,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    config = bench_config(args.quick, args.batch, args.steps, args.max_lag, args.trainer)
+    configs = {lag: bench_config(args.quick, args.batch, args.steps, lag, args.trainer) for lag in args.max_lag}
+    config = configs[args.max_lag[0]]  # model, data and warm start do not depend on the lag bound
     torch.set_num_threads(config.backend.torch_threads)  # one per thread (engine, trainer): 2 cores
     machine = Machine.measure()
     print(machine.describe())
@@ -436,22 +461,23 @@ def main() -> None:
     print(f"warm start: {'reused' if reused else 'trained and cached'} {warm_dir / 'sft'} "
           f"({time.perf_counter() - started:.0f} s)")
 
-    runs: dict[str, list[KindRun]] = {kind: [] for kind in args.kinds}
+    rows_to_run = variants(args.kinds, args.max_lag)
+    runs: dict[str, list[KindRun]] = {name: [] for name, _, _ in rows_to_run}
     for repeat in range(args.repeats):
-        for kind in args.kinds:
+        for name, kind, lag in rows_to_run:
             clock = CpuClock.read()
-            run = asyncio.run(run_kind(kind, config, data, warm_dir))
+            run = asyncio.run(run_kind(kind, configs[lag], data, warm_dir))
             run.other_cores = CpuClock.read().other_cores_since(clock)
-            runs[kind].append(run)
-            print(f"  {kind} (run {repeat + 1}/{args.repeats}): {args.steps} steps in {run.steps[-1].seconds:.1f} s, "
+            runs[name].append(run)
+            print(f"  {name} (run {repeat + 1}/{args.repeats}): {args.steps} steps in {run.steps[-1].seconds:.1f} s, "
                   f"other processes used {run.other_cores:.2f} cores", flush=True)
 
     order = PromptOrder(data.train, seed=config.data.shuffle_seed)
     data_difficulty = [order[i].difficulty for i in range(args.steps * args.batch)]
     early = args.first_steps * args.batch
     rows = summarize(runs, data_difficulty, args.warmup, args.first_steps, args.batch)
-    lengths = [n for s in runs[args.kinds[0]][0].steps for n in s.lengths]
-    print(f"\n{len(args.kinds)} kinds x {args.repeats} run(s), {args.steps} steps of B={args.batch} (speed after "
+    lengths = [n for s in runs[rows_to_run[0][0]][0].steps for n in s.lengths]
+    print(f"\n{len(rows_to_run)} rows x {args.repeats} run(s), {args.steps} steps of B={args.batch} (speed after "
           f"{args.warmup} warm-up steps); trained lengths median {np.median(lengths):.0f}, max {max(lengths)} "
           "policy tokens")
     print_table(rows, float(np.mean(data_difficulty)), float(np.mean(data_difficulty[:early])), args.first_steps)
@@ -473,7 +499,8 @@ def main() -> None:
         report = {
             "machine": machine.as_dict(),
             "other_cores_max": other,
-            "settings": {**settings, "config": config.model_dump(mode="json")},
+            "settings": {**settings, "config": config.model_dump(mode="json"),
+                         "config_by_lag": {lag: c.model_dump(mode="json") for lag, c in configs.items()}},
             "warm_start": {"dir": str(warm_dir / "sft"), "reused": reused},
             "data": {"difficulties": data_difficulty},
             "kinds": rows,

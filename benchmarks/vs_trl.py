@@ -27,7 +27,7 @@ the run's processes together (sampled every 0.25 s: ours is the loop, its traine
 workers; TRL one process; the JSON also has the largest single process's, exact, from wait4).
 Time and tokens to threshold are those at the first evaluation at or above it.
 
-    python benchmarks/vs_trl.py                    # 3 seeds x 3 methods, ~30 min on 2 cores
+    python benchmarks/vs_trl.py                    # 3 seeds x 3 methods, ~15 min on 2 cores (5 seeds: ~22)
     python benchmarks/vs_trl.py --threads 2 --png bench-out/vs_trl_threads2.png
     python benchmarks/vs_trl.py --quick            # < 1 minute: tiny settings, 1 seed, proves the harness
     flashreinforce bench vs-trl --seeds 0 1 --threshold 65 --json bench-out/vs_trl.json

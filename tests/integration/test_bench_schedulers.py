@@ -45,7 +45,8 @@ def test_quick_run_reports_every_kind_and_urb_trains_exactly_its_data_group(tmp_
     report = _run(tmp_path)
     settings = report["settings"]
     steps, batch = settings["steps"], settings["batch"]
-    assert set(report["kinds"]) == {"sync", "april", "urb", "stream"}
+    # urb and stream at each default lag bound (1, 2), sync and april once
+    assert set(report["kinds"]) == {"sync", "april", "urb lag<=1", "urb lag<=2", "stream lag<=1", "stream lag<=2"}
     assert {"cores", "load_average", "torch_threads", "busy"} <= set(report["machine"])
     assert Path(report["png"]).is_file() and not report["warm_start"]["reused"]
     for kind, row in report["kinds"].items():
@@ -54,7 +55,7 @@ def test_quick_run_reports_every_kind_and_urb_trains_exactly_its_data_group(tmp_
         assert row["steps_per_second"] > 0 and 0 < row["slot_utilization"] <= 1, (kind, row)
         assert 0 <= row["ks_difficulty_vs_sync"] <= 1 and 0 <= row["ks_length_vs_sync"] <= 1, (kind, row)
     # sync and urb train exactly D_t = data positions [t*B, (t+1)*B) at step t: no difficulty bias at all
-    for kind in ("sync", "urb"):
+    for kind in ("sync", "urb lag<=1", "urb lag<=2"):
         for t, s in enumerate(report["kinds"][kind]["runs"][0]):
             assert sorted(s["positions"]) == list(range(t * batch, (t + 1) * batch)), (kind, t)
         assert report["kinds"][kind]["ks_difficulty_vs_sync"] == 0.0
@@ -65,7 +66,12 @@ def test_quick_run_reports_every_kind_and_urb_trains_exactly_its_data_group(tmp_
     for kind, row in report["kinds"].items():
         assert 0 < row["decode_ms"] < 1000, (kind, row)
     assert report["kinds"]["sync"]["lag_max"] == 0 and report["kinds"]["sync"]["ks_length_vs_sync"] == 0.0
-    assert report["kinds"]["urb"]["lag_max"] <= 1 and report["kinds"]["stream"]["lag_max"] <= 1  # N=2, S=1
+    for lag in (1, 2):  # urb N = lag + 1, stream S = lag: the bound holds, and each ran with its own engine size
+        for kind in ("urb", "stream"):
+            row = report["kinds"][f"{kind} lag<={lag}"]
+            assert (row["kind"], row["max_lag"]) == (kind, lag) and row["lag_max"] <= lag, row
+        assert report["settings"]["config_by_lag"][str(lag)]["rollout"]["max_batch_size"] == batch * (lag + 1)
+    assert report["kinds"]["urb lag<=2"]["lag_max"] == 2  # the looser bound is used, not just allowed
     assert report["kinds"]["sync"]["speedup_vs_sync"] == 1.0
 
     again = _run(tmp_path, "--kinds", "sync", "--steps", "2", "--trainer", "process")
