@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,8 +39,7 @@ from typing import Any
 
 import torch
 
-import flashreinforce
-from flashreinforce.lifetime import die_with_parent
+from flashreinforce.lifetime import die_with_parent, start_child
 from flashreinforce.trainer.trainer import Trainer
 from flashreinforce.types import Trajectory
 
@@ -175,15 +173,7 @@ class TrainerProcess:
         self.version = 0
         try:
             self._weights = _map(path, slots, nbytes)
-            parent, child = socket.socketpair()
-            package_root = str(Path(flashreinforce.__file__).resolve().parent.parent)
-            env = {**os.environ,
-                   "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-            with child:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "flashreinforce.trainer.process", str(child.fileno()), str(os.getpid())],
-                    pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
-            self._conn = Connection(parent.detach())
+            self._proc, self._conn = start_child("flashreinforce.trainer.process")
             try:
                 _send(self._conn, (list(sys.path), threads, path, slots, nbytes))
                 _send(self._conn, (factory, args))

@@ -22,7 +22,6 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,9 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 
-import flashreinforce
+from flashreinforce.lifetime import start_child
 from flashreinforce.types import Prompt, Verdict
 from flashreinforce.verifiers.rewards import resolve_reward_ref
 
@@ -339,16 +337,9 @@ class VerifierPool:
             self._counts.update(keys)
 
     def _spawn(self) -> None:
-        parent, child = socket.socketpair()
-        # Fresh interpreter, one thread per math library, its own process group (killed as one).
-        package_root = str(Path(flashreinforce.__file__).resolve().parent.parent)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-        with child:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "flashreinforce.verifiers.worker", str(child.fileno()), str(os.getpid())],
-                pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-        conn = Connection(parent.detach())
+        # One thread per math library, its own process group (killed as one).
+        proc, conn = start_child("flashreinforce.verifiers.worker", new_session=True,
+                                 env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
         with contextlib.suppress(OSError):  # it died at once: _receive sees the EOF
             conn.send((list(sys.path), sorted(set(self._refs.values())), self._memory_limit_mb))
         self._workers.append(_Worker(proc=proc, conn=conn))
