@@ -56,7 +56,7 @@ import torch
 
 from flashreinforce.buffer import build_scheduler, scheduler_options
 from flashreinforce.cli.console import Reporter
-from flashreinforce.cli.train import (Data, build_engine, build_policy, close_trainer, load_data, seed_everything,
+from flashreinforce.cli.train import (Data, build_engine, build_policy, load_data, seed_everything,
                                      start_trainer)
 from flashreinforce.config import RunConfig, load_config
 from flashreinforce.controller.local import LocalBackend
@@ -248,7 +248,7 @@ async def run_kind(kind: str, config: RunConfig, data: Data, warm_dir: Path) -> 
     finally:
         await backend.close()
         pool.close()
-        close_trainer(trainer)
+        trainer.close()
     result.dropped = {k: v for k, v in scheduler.ledger.summary().items() if k.startswith("dropped/")}
     return result
 

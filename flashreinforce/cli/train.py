@@ -186,11 +186,6 @@ def start_trainer(config: RunConfig, model: Any, tokenizer: Any) -> Trainer | Tr
                           threads=config.backend.torch_threads)
 
 
-def close_trainer(trainer: Trainer | TrainerProcess) -> None:
-    if isinstance(trainer, TrainerProcess):
-        trainer.close()
-
-
 def build_engine(model: Any, tokenizer: Any, *, max_batch_size: int, max_new_tokens: int, longest_prompt: int,
                  seed: int, version: int) -> Engine:
     """The engine gets its own copy of the weights; its context is what the data actually needs."""
@@ -410,7 +405,7 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
             await backend.close()
         pool.close()
         if trainer is not None:
-            close_trainer(trainer)
+            trainer.close()
 
 
 async def initial_pass_rates(config: RunConfig, run_dir: Path, backend: LocalBackend, episodes: TextEpisodes,

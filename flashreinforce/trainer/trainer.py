@@ -222,6 +222,9 @@ class Trainer:
         """The model in Hugging Face format (safetensors)."""
         self.model.save_pretrained(directory, safe_serialization=True)
 
+    def close(self) -> None:
+        """Nothing to release in this process; here so a run closes a Trainer and a TrainerProcess alike."""
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer.state_dict(),
