@@ -6,12 +6,16 @@ every rollout of D_t is terminal, whatever order they finished in; finished roll
 and their in-flight work continues across weight updates (per-token versions record it). A token of D_t is
 therefore at most N-1 versions old, and N=1 is synchronous RL.
 
-The window is counted from the version admit() is given as well as from t: while the learner trains D_t
-the engine still holds version t, and a group admitted then must not be t+N (its tokens would be N stale).
+The window is anchored at the data group the engine's weights will train next, which is the lower of t
+and version + s, s = data groups consumed without a step (all filtered, below). While the learner trains
+D_t the engine still holds the version before it, and a group admitted then must not be N groups ahead
+(its tokens would be N stale).
 
 Filtering (DAPO) stays inside D_t: the batch is D_t's kept groups, never topped up from D_{t+1}. If every
 group of D_t is filtered, take_batch returns [] and consumes D_t: the controller skips the optimizer step
-(the version does not change) and calls take_batch again with the same version.
+(the version does not change) and calls take_batch again with the same version. Such a D_t takes no
+version, so the version that trains D_g is at most g - s, and anchoring at version + s keeps both the lag
+bound (<= N-1) and the look-ahead (N groups) however many groups were filtered.
 """
 
 from __future__ import annotations
@@ -38,12 +42,15 @@ class URBScheduler:
         self.iteration = 0
         """t: the data group the next batch trains on."""
         self._done: dict[int, Group | None] = {}  # complete groups by position; None = filtered out
+        self.skipped = 0
+        """s: data groups consumed without an optimizer step (every group of them filtered out)."""
         self._last_step: int | None = None
         self._lag: dict[str, float] = {}
 
     def admit(self, free_slots: int, version: int) -> list[RolloutTask]:
         B = self.batch_groups
-        end = (min(self.iteration, version) + self.buffer_size) * B  # first position of the first group too far
+        anchor = min(self.iteration, version + self.skipped)  # the data group the engine's weights train next
+        end = (anchor + self.buffer_size) * B  # first position of the first group too far
         tasks = self.book.admit(free_slots, version, lambda: self.book.cursor < end)
         assert self.queries_in_infer <= B * self.buffer_size, (
             f"P_infer holds {self.queries_in_infer} queries > B*N = {B * self.buffer_size}")
@@ -71,6 +78,7 @@ class URBScheduler:
         kept = [g for g in (self._done.pop(p) for p in positions) if g is not None]
         self.iteration += 1
         if not kept:
+            self.skipped += 1
             return []
         batch, self._lag = train_batch(kept, self.ledger, version)
         self._last_step = version
@@ -82,16 +90,18 @@ class URBScheduler:
 
     def stats(self) -> dict[str, float]:
         return {**self.book.stats(), "buffer/ready_groups": sum(g is not None for g in self._done.values()),
-                "buffer/iteration": self.iteration, "buffer/queries_in_infer": self.queries_in_infer, **self._lag}
+                "buffer/iteration": self.iteration, "buffer/skipped_groups": self.skipped,
+                "buffer/queries_in_infer": self.queries_in_infer, **self._lag}
 
     def state_dict(self) -> dict:
         return scheduler_state("urb", self._options(), self.book, self._last_step, self._lag, iteration=self.iteration,
-                               done=[group_state(g) for g in self._done.values() if g is not None],
+                               skipped=self.skipped, done=[group_state(g) for g in self._done.values() if g is not None],
                                filtered=[p for p, g in self._done.items() if g is None])
 
     def load_state_dict(self, state: dict) -> None:
         self._last_step, self._lag = restore_scheduler_state(state, "urb", self._options(), self.book)
         self.iteration = state["iteration"]
+        self.skipped = state["skipped"]
         self._done = {p: None for p in state["filtered"]}
         for entry in state["done"]:
             group = group_from_state(entry, self.book.prompt_at)

@@ -78,3 +78,31 @@ def test_urb_filter_stays_inside_d_t_and_an_all_filtered_d_t_gives_an_empty_batc
         assert all(batch_order_ok(b) for _, b in trace.batches)
         filtered = {k for k, r in trace.scheduler.ledger.dropped().items() if r == "filtered"}
         assert {k.prompt_id for k in filtered} >= {"p0", "p4", "p5", "p6", "p7", "p10"}
+
+
+@pytest.mark.parametrize("buffer_size", [1, 2, 3])
+def test_urb_goes_on_through_any_number_of_fully_filtered_data_groups(buffer_size):
+    """Each all-filtered D_t takes no optimizer step; it must not shrink the look-ahead for the rest of the run."""
+    N, filtered_groups = buffer_size, {1, 2, 4, 6, 7, 9}
+
+    def keep(group):  # these data groups are filtered out whole, and every third prompt elsewhere
+        position = group[0].group
+        return position // B not in filtered_groups and position % 3 != 0
+
+    for seed in range(6):
+        def window(scheduler, tasks, version):
+            assert scheduler.queries_in_infer <= B * N
+            for task in tasks:  # never more than N-1 versions ahead of the version that will train it
+                assert task.group // B <= version + scheduler.skipped + N - 1, (task, version, scheduler.skipped)
+
+        trace = drive(build("urb", batch_groups=B, group_size=2, buffer_size=N, group_filter=keep), steps=5,
+                      slots=3 + seed, seed=seed, preempt=0.1, after_admit=window)
+        check_exactly_once(trace, resolve_within=N - 1)
+        trained = [(v, b) for v, b in trace.batches if b]
+        assert [v for v, _ in trained] == [0, 1, 2, 3, 4]
+        assert len(trace.batches) == 5 + len(filtered_groups)  # every D_t, the filtered ones as []
+        for t, (version, batch) in enumerate(trace.batches):  # iteration t trains exactly its filtered D_t
+            expected = [] if t in filtered_groups else [p for p in range(t * B, (t + 1) * B) if p % 3 != 0]
+            assert sorted({x.group for x in batch}) == expected
+            assert not batch or max(token_lags(version, batch)) <= N - 1
+        assert trace.scheduler.skipped == len(filtered_groups)
