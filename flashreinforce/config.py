@@ -313,6 +313,11 @@ class RunConfig(_Section):
         if self.algo.loss not in SINGLE_ROLLOUT_LOSSES and self.scheduler.group_size == 1:
             raise ValueError(f"algo.loss={self.algo.loss} compares rollouts of the same prompt: set "
                              f"scheduler.group_size >= 2 (or use one of {sorted(SINGLE_ROLLOUT_LOSSES)})")
+        # A group of one always has a constant reward, so dynamic sampling would drop every group and never train.
+        if self.algo.dynamic_sampling and self.scheduler.group_size == 1:
+            raise ValueError("algo.dynamic_sampling=true keeps only groups whose rewards differ, and with "
+                             "scheduler.group_size=1 no group can: set scheduler.group_size >= 2 or "
+                             "algo.dynamic_sampling=false")
         return self
 
 

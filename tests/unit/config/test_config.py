@@ -45,6 +45,7 @@ def test_inherited_recipe_keeps_parent_fields_and_overrides_its_own():
         (["model.tiny.hidden_size=130"], "hidden_size"),
         (["algo.loss=grpo"], "group_size"),
         (["data.kind=files"], "train"),
+        (["algo.dynamic_sampling=true"], "algo.dynamic_sampling=true .* scheduler.group_size=1"),
     ],
 )
 def test_config_errors_name_the_field(overrides, names):
