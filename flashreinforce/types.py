@@ -182,6 +182,11 @@ class Trajectory:
         return sum(self.loss_mask)
 
     @property
+    def response_length(self) -> int:
+        """Tokens after the prompt: the response's length, whether or not each token is trained (|y| of DAPO)."""
+        return len(self.tokens) - self.prompt_length
+
+    @property
     def oldest_version(self) -> int:
         """Version of the stalest sampled token (the one that bounds this trajectory's lag)."""
         versions = [v for v, m in zip(self.policy_versions, self.loss_mask) if m]

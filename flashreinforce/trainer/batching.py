@@ -30,6 +30,7 @@ class TrainBatch:
     rewards: torch.Tensor  # (B,) float32
     group_ids: torch.Tensor  # (B,) long: rows of the same prompt share an id
     failures: torch.Tensor  # (B,) bool: the verifier did not pass the row
+    response_lengths: torch.Tensor  # (B,) long: tokens after the prompt, trained or not (masking shortens no row)
     modalities: tuple[str, ...]
 
     @property
@@ -107,5 +108,6 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         group_ids=torch.tensor(group_ids, dtype=torch.long),
         failures=torch.tensor([not t.verdict.passed for t in trajectories], dtype=torch.bool),
+        response_lengths=torch.tensor([t.response_length for t in trajectories], dtype=torch.long),
         modalities=tuple(t.prompt.modality for t in trajectories),
     )

@@ -105,7 +105,8 @@ class Trainer:
         trajectories = sorted(trajectories, key=lambda t: len(t.tokens))
         batch = collate(trajectories, self.pad_token_id)
         rewards = batch.rewards
-        response_lengths = batch.loss_mask.sum(dim=1)  # (B,)
+        # The generated length, not the trained one: april's mask_offpolicy un-trains a resumed row's prefix.
+        response_lengths = batch.response_lengths  # (B,)
         if self.overlong is not None:
             rewards = rewards + overlong_penalty(
                 response_lengths, max_length=self.overlong.max_length, cache_length=self.overlong.cache

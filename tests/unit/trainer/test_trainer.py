@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -8,7 +9,7 @@ from flashreinforce.models import build_model, token_logprobs
 from flashreinforce.trainer.batching import collate
 from flashreinforce.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_states, save_checkpoint
 from flashreinforce.trainer.optim import lr_multiplier
-from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
+from flashreinforce.trainer.trainer import OptimizerSettings, OverlongShaping, Trainer
 from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
 
 VOCAB = 12
@@ -164,3 +165,17 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     (tmp_path / "step_000003" / "trainer.pt").unlink()
     with pytest.raises(ValueError, match="incomplete"):
         load_states(tmp_path / "step_000003")
+
+
+def test_overlong_shaping_reads_the_generated_length_not_the_trained_one():
+    """april's mask_offpolicy un-trains a resumed row's prefix; DAPO's |y| is still every token after the prompt."""
+    model = build_model(VOCAB, 16, 1, 2, 32, seed=3)
+    trainer = _trainer(model, "flashreinforce", 4)
+    trainer.overlong = OverlongShaping(max_length=10, cache=4)
+    long_row = make_trajectory([1, 2, *range(1, 11), *range(1, 11)], 2, group=0)  # 20 generated tokens
+    long_row = dataclasses.replace(long_row, loss_mask=(0,) * 17 + (1,) * 5)  # only the last 5 are trained
+    short_row = make_trajectory([1, 2, 3, 4, 5, 6], 2, group=1)  # 4 generated, no penalty
+    metrics = trainer.step([long_row, short_row])
+    assert metrics["reward/mean"] == 1.0
+    assert metrics["reward/shaped_mean"] == pytest.approx((1 - 1 + 1 + 0) / 2)  # 20 > L_max = 10: R_len = -1
+    assert metrics["response/length_mean"] == 12 and metrics["response/length_max"] == 20
