@@ -161,17 +161,14 @@ def gspo_objective(inputs: LossInputs, norm: GlobalNorm, **options) -> tuple[Ten
     """GSPO (Zheng et al. 2025): one clipped ratio per sequence.
 
         s_i = exp((1/|y_i|) sum_j log r_ij),   l_i = - min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
-    l_i is broadcast to the row's tokens, times the (token-level) mismatch weights, then aggregated, so
-    seq-mean-token-mean gives (1/B) sum_i mean_j(w_ij) l_i. Advantages must be per sequence (b,).
+    Computed in the GSPO-token form (as verl does), which with per-sequence advantages equals GSPO in value,
+    clip and gradient. Only that form attaches a token-level mismatch weight (tis, mis, icepop) to its own
+    token's gradient: multiplying the sequence loss by the row's mean weight instead would still give a token
+    that IcePop rejects the gradient of its neighbours. Advantages must be per sequence (b,).
     """
-    o = parse_options(ClipOptions, options, "gspo")
-    x = _Slice.of(inputs, norm)
     if inputs.advantages.ndim != 1:
         raise ValueError("gspo needs per-sequence advantages (b,); for per-token advantages use gspo_token")
-    sequence_log_ratio = gspo_log_ratio(log_ratio(x.policy, x.old, x.mask), x.mask)  # (b,)
-    surrogate, clipped = ppo_clip(sequence_log_ratio.exp()[:, None], x.advantages, o.eps_low, o.eps_high)  # (b, 1)
-    return _finish(x, surrogate.expand_as(x.policy), _mismatch(o, x), clipped.expand_as(x.mask), o.aggregation,
-                   {"sequence_ratio": sequence_log_ratio.detach().exp()})
+    return _gspo_token(parse_options(ClipOptions, options, "gspo"), _Slice.of(inputs, norm))
 
 
 def gspo_token_objective(inputs: LossInputs, norm: GlobalNorm, **options) -> tuple[Tensor, dict[str, Tensor]]:
@@ -180,13 +177,13 @@ def gspo_token_objective(inputs: LossInputs, norm: GlobalNorm, **options) -> tup
     Equal to GSPO (value, clip, gradient) when A_ij = A_i, and a token weight of 0 removes exactly that
     token's gradient.
     """
-    o = parse_options(ClipOptions, options, "gspo_token")
-    x = _Slice.of(inputs, norm)
-    token_log_ratio = log_ratio(x.policy, x.old, x.mask)  # (b, T)
-    ratio = gspo_token_ratio(token_log_ratio, x.mask)  # (b, T), value s_i
+    return _gspo_token(parse_options(ClipOptions, options, "gspo_token"), _Slice.of(inputs, norm))
+
+
+def _gspo_token(o: ClipOptions, x: _Slice) -> tuple[Tensor, dict[str, Tensor]]:
+    ratio = gspo_token_ratio(log_ratio(x.policy, x.old, x.mask), x.mask)  # (b, T), value s_i
     surrogate, clipped = ppo_clip(ratio, x.advantages, o.eps_low, o.eps_high)
-    return _finish(x, surrogate, _mismatch(o, x), clipped, o.aggregation,
-                   {"sequence_ratio": ratio.detach()[:, 0]})
+    return _finish(x, surrogate, _mismatch(o, x), clipped, o.aggregation, {"sequence_ratio": ratio.detach()[:, 0]})
 
 
 def misc_objective(inputs: LossInputs, norm: GlobalNorm, **options) -> tuple[Tensor, dict[str, Tensor]]:

@@ -93,16 +93,41 @@ def test_gspo_at_theta_old_is_sequence_mean_reinforce():
     torch.testing.assert_close(grad, expected, rtol=0, atol=1e-15)
 
 
-def test_gspo_token_with_uniform_advantage_equals_gspo():
+def sequence_form_gspo(policy, old, mask, advantages, eps_low, eps_high):
+    """GSPO as the paper writes it: one ratio s_i per row, -mean_i min(s_i A_i, clip(s_i) A_i)."""
+    live = policy.clone().requires_grad_()
+    s = gspo_log_ratio(torch.where(mask, live - old, 0.0), mask).exp()
+    loss = -torch.minimum(s * advantages, s.clamp(1 - eps_low, 1 + eps_high) * advantages).mean()
+    loss.backward()
+    return loss, live.grad
+
+
+def test_gspo_and_gspo_token_with_uniform_advantage_equal_the_sequence_form():
     policy, old, mask = drifted()
     advantages = torch.tensor([1.0, -1.0, 0.5, 2.0], **F64)
     options = dict(old=old, mask=mask, eps_low=0.005, eps_high=3e-4)  # s = [.997, .991, 1.0004, .968]
+    reference_loss, reference_grad = sequence_form_gspo(policy, old, mask, advantages, 0.005, 3e-4)
     loss, stats, grad = run(gspo_objective, policy, advantages, **options)
     token_loss, token_stats, token_grad = run(gspo_token_objective, policy, advantages, **options)
     assert 0 < stats["clip_fraction"] < 1  # some rows clipped, some not
-    torch.testing.assert_close(token_loss, loss, rtol=0, atol=1e-15)
-    torch.testing.assert_close(token_grad, grad, rtol=0, atol=1e-15)
+    for value, gradient in ((loss, grad), (token_loss, token_grad)):
+        torch.testing.assert_close(value, reference_loss, rtol=0, atol=1e-15)
+        torch.testing.assert_close(gradient, reference_grad, rtol=0, atol=1e-15)
     torch.testing.assert_close(token_stats["clip_fraction"], stats["clip_fraction"])
+
+
+@pytest.mark.parametrize("mismatch", ["icepop", "mis"])
+def test_gspo_token_level_correction_removes_exactly_the_rejected_tokens_gradient(mismatch):
+    """A token-level weight belongs to its own token (verl): a rejected token gets 0, its neighbours keep theirs."""
+    policy = torch.full((1, 4), -1.0, **F64)
+    behavior = policy - torch.tensor([[0.0, 0.0, 1.0, 0.0]], **F64)  # rho = e > 2 on token 2 only
+    options = dict(behavior=behavior, mismatch=mismatch, icepop_band=(0.5, 2.0), mismatch_cap=2.0)
+    _, stats, grad = run(gspo_objective, policy, torch.tensor([1.0], **F64), **options)
+    _, _, token_grad = run(gspo_token_objective, policy, torch.tensor([1.0], **F64), **options)
+    assert grad[0, 2].item() == 0 and grad[0].ne(0).tolist() == [True, True, False, True]
+    torch.testing.assert_close(grad[0, [0, 1, 3]], torch.full((3,), -1 / 4, **F64), rtol=0, atol=1e-15)  # -(1/T) s A
+    torch.testing.assert_close(grad, token_grad, rtol=0, atol=1e-15)
+    assert stats["mismatch/masked_fraction"].item() == pytest.approx(1 / 4)
 
 
 def test_gspo_ratio_is_length_invariant_and_positive():
