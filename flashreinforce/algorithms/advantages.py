@@ -2,7 +2,8 @@
 
 Always called on the WHOLE learner batch, before it is split into microbatches or ranks (DESIGN
 invariant 4): every baseline below is a batch or group statistic. `group_ids` are any integers that
-tag the rollouts of one prompt (they need not be contiguous or sorted). Nothing here sees tokens.
+tag the rollouts of one prompt (they need not be contiguous or sorted). Nothing here sees tokens, except
+that REINFORCE++'s whitening counts each row's loss tokens (token_counts (N,)).
 Standard deviations are the sample (Bessel-corrected) ones, as in TRL and verl [R]; a group of one has
 deviation 0, so its advantage is 0.
 """
@@ -66,27 +67,48 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return k / (k - 1) * (rewards - group_mean(rewards, group_ids))
 
 
-def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """REINFORCE++ (Hu et al. 2025) without a reference-KL term: A_i = (R_i - mean R) / (std R + 1e-6).
+WHITEN_OVER = ("tokens", "rows")
+"""What REINFORCE++ whitening averages over: every loss token of the batch (OpenRLHF, the authors' code, and
+verl) or every row once."""
 
-    With beta = 0 the return of every token of y_i is R_i, so the token-level advantage is this A_i,
-    normalised over the GLOBAL batch (one statistic per trajectory [R]; OpenRLHF whitens over tokens,
-    which weights long rows more). group_ids are unused.
+
+def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, token_counts: Tensor | None = None, *,
+                            whiten: str = "tokens") -> Tensor:
+    """REINFORCE++ (Hu et al. 2025) without a reference-KL term: the reward whitened over the GLOBAL batch.
+
+    With beta = 0 the return of every token of y_i is R_i. whiten="tokens" (default, as OpenRLHF and verl)
+    normalises those per-token returns over the batch's loss tokens, so row i counts T_i = token_counts[i]
+    times: mean m = sum T_i R_i / sum T_i, variance v = sum T_i (R_i - m)^2 / sum T_i (OpenRLHF's, no Bessel
+    correction), A_i = (R_i - m) / sqrt(max(v, 1e-8)). whiten="rows" counts each row once (sample std + 1e-6):
+    long rows weigh no more than short ones. group_ids are unused.
+    Example: rewards [1, 0], token_counts [3, 1]: m = 0.75, v = 0.1875, A = [0.577, -1.732].
     """
     rewards = _as_float("rewards", rewards)
     _groups(group_ids, rewards)
-    return _whiten(rewards)
+    return _whiten(rewards, token_counts, whiten)
 
 
-def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """REINFORCE++-baseline: subtract each group's mean reward, then whiten over the GLOBAL batch."""
-    return _whiten(_group_centered(_as_float("rewards", rewards), group_ids, "reinforce++-baseline"))
+def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, token_counts: Tensor | None = None, *,
+                                     whiten: str = "tokens") -> Tensor:
+    """REINFORCE++-baseline: subtract each group's mean reward, then whiten over the GLOBAL batch (as above)."""
+    centered = _group_centered(_as_float("rewards", rewards), group_ids, "reinforce++-baseline")
+    return _whiten(centered, token_counts, whiten)
 
 
-def _whiten(x: Tensor) -> Tensor:
-    centered = x - x.mean()
-    std = (centered.square().sum() / max(x.numel() - 1, 1)).sqrt()
-    return centered / (std + STD_EPS)
+def _whiten(x: Tensor, token_counts: Tensor | None, over: str) -> Tensor:
+    if over == "rows":
+        centered = x - x.mean()
+        std = (centered.square().sum() / max(x.numel() - 1, 1)).sqrt()
+        return centered / (std + STD_EPS)
+    if over != "tokens":
+        raise ValueError(f"whiten={over!r} is not one of {WHITEN_OVER}")
+    if token_counts is None or token_counts.shape != x.shape or bool((token_counts < 1).any()):
+        raise ValueError("whiten='tokens' needs token_counts: each row's number of loss tokens (>= 1), shaped "
+                         f"like the rewards {tuple(x.shape)}; or whiten='rows'")
+    weights = token_counts.to(x.dtype)
+    mean = (weights * x).sum() / weights.sum()
+    variance = (weights * (x - mean).square()).sum() / weights.sum()
+    return (x - mean) * variance.clamp(min=1e-8).rsqrt()
 
 
 def _group_centered(rewards: Tensor, group_ids: Tensor, name: str) -> Tensor:

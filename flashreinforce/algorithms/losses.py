@@ -5,7 +5,7 @@ slice, given the batch's GlobalNorm) and the options the objective uses when non
 loss is adding one entry. Usage:
 
     spec = LOSSES["dapo"]
-    advantages = spec.advantages(rewards, group_ids)                 # (N,), whole batch
+    advantages = spec.advantages(rewards, group_ids, token_counts)   # (N,), whole batch
     loss, stats = spec.objective(slice_inputs, norm, eps_high=0.3)   # any option of spec.defaults
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from flashreinforce.algorithms.advantages import (
+    WHITEN_OVER,
     batch_mean_advantages,
     drgrpo_advantages,
     grpo_advantages,
@@ -43,17 +44,60 @@ from flashreinforce.algorithms.objectives import (
 class LossSpec:
     """One loss of the menu."""
 
-    advantages: Callable[[Tensor, Tensor], Tensor]
-    """(rewards (N,), group_ids (N,) long) -> (N,), over the WHOLE batch."""
+    advantages: Callable[[Tensor, Tensor, Tensor], Tensor]
+    """(rewards (N,), group_ids (N,) long, token_counts (N,) long, **advantage options) -> (N,), over the
+    WHOLE batch; token_counts are each row's loss tokens; `advantage_defaults` pre-applied."""
     objective: Callable[..., tuple[Tensor, dict[str, Tensor]]]
     """(inputs: LossInputs, norm: GlobalNorm, **options) -> (loss, stats); `defaults` pre-applied."""
     defaults: Mapping[str, Any]
     """Every option of the objective with the value it takes when not given (read-only)."""
+    advantage_options: type | None = None
+    """The estimator's options dataclass (e.g. WhitenOptions for REINFORCE++), None when it takes none."""
+
+    @property
+    def advantage_defaults(self) -> Mapping[str, Any]:
+        """Every option of the advantage estimator with its default (read-only)."""
+        return MappingProxyType(asdict(self.advantage_options()) if self.advantage_options else {})
+
+    def split_options(self, options: Mapping[str, Any], loss: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """algo.options -> (advantage options, objective options), the former validated; an option neither
+        part knows is an error."""
+        unknown = set(options) - set(self.defaults) - set(self.advantage_defaults)
+        if unknown:
+            raise ValueError(f"algo.options has unknown option(s) {sorted(unknown)} for loss {loss!r}; it accepts "
+                             f"{sorted({*self.defaults, *self.advantage_defaults})}")
+        advantage = {k: v for k, v in options.items() if k in self.advantage_defaults}
+        if self.advantage_options is not None:
+            self.advantage_options(**advantage)
+        return advantage, {k: v for k, v in options.items() if k not in self.advantage_defaults}
 
 
-def _spec(advantages: Callable, objective: Callable, options: object) -> LossSpec:
+@dataclass(frozen=True)
+class WhitenOptions:
+    """Options of the REINFORCE++ estimators."""
+
+    whiten: str = "tokens"
+    """tokens: normalise over the batch's loss tokens (OpenRLHF, the authors' code, and verl);
+    rows: over rows, each counted once."""
+
+    def __post_init__(self) -> None:
+        if self.whiten not in WHITEN_OVER:
+            raise ValueError(f"option whiten={self.whiten!r} is not one of {WHITEN_OVER}")
+
+
+def _spec(advantages: Callable, objective: Callable, options: object, advantage_options: type | None = None) -> LossSpec:
     defaults = MappingProxyType(asdict(options))
-    return LossSpec(advantages, partial(objective, **defaults), defaults)
+    if advantage_options is None:
+        return LossSpec(_reads_no_token_counts(advantages), partial(objective, **defaults), defaults)
+    return LossSpec(partial(advantages, **asdict(advantage_options())), partial(objective, **defaults), defaults,
+                    advantage_options)
+
+
+def _reads_no_token_counts(estimator: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """An estimator of rewards and groups alone, called the way every LossSpec.advantages is."""
+    def advantages(rewards: Tensor, group_ids: Tensor, token_counts: Tensor) -> Tensor:
+        return estimator(rewards, group_ids)
+    return advantages
 
 
 GSPO_CLIP = ClipOptions(eps_low=3e-4, eps_high=4e-4)  # the GSPO paper's ranges, ~100x tighter than GRPO's
@@ -73,7 +117,9 @@ LOSSES: dict[str, LossSpec] = {
     "misc": _spec(grpo_advantages, misc_objective, MiscOptions()),
     # RLOO is sequence-level REINFORCE, -(1/k) sum_i A_i log pi(y_i): token sums, here over the constant L.
     "rloo": _spec(rloo_advantages, clip_objective, ClipOptions(aggregation="seq-mean-token-sum-norm")),
-    "reinforce++": _spec(reinforce_pp_advantages, clip_objective, ClipOptions(aggregation="token-mean")),
+    # REINFORCE++: the reward whitened over the batch's tokens (algo.options.whiten=rows: over rows).
+    "reinforce++": _spec(reinforce_pp_advantages, clip_objective, ClipOptions(aggregation="token-mean"),
+                         WhitenOptions),
     "reinforce++-baseline": _spec(reinforce_pp_baseline_advantages, clip_objective,
-                                  ClipOptions(aggregation="token-mean")),
+                                  ClipOptions(aggregation="token-mean"), WhitenOptions),
 }

@@ -72,10 +72,7 @@ class Trainer:
             raise ValueError(f"algo.loss={loss!r} is not a known loss; choose one of {sorted(LOSSES)}")
         self.model = model
         self.spec = LOSSES[loss]
-        unknown = set(loss_options) - set(self.spec.defaults)
-        if unknown:
-            raise ValueError(f"algo.options has unknown option(s) {sorted(unknown)} for loss {loss!r}; "
-                             f"it accepts {sorted(self.spec.defaults)}")
+        self.advantage_options, loss_options = self.spec.split_options(loss_options, loss)
         self.loss_options = {**self.spec.defaults, **loss_options}
         self.optimizer, self.schedule = build_optimizer(
             model,
@@ -111,7 +108,8 @@ class Trainer:
             rewards = rewards + overlong_penalty(
                 response_lengths, max_length=self.overlong.max_length, cache_length=self.overlong.cache
             )
-        advantages = self.spec.advantages(rewards, batch.group_ids)  # (B,) over the whole batch
+        advantages = self.spec.advantages(rewards, batch.group_ids, batch.loss_mask.sum(dim=1),
+                                          **self.advantage_options)  # (B,) over the whole batch
         norm = GlobalNorm(
             num_sequences=batch.num_rows,
             num_tokens=int(batch.loss_mask.sum()),

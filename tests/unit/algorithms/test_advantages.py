@@ -77,19 +77,52 @@ def test_singleton_groups_warn_because_they_carry_no_signal():
     assert advantages.eq(0).all()
 
 
-def test_reinforce_pp_whitens_over_the_global_batch():
+def openrlhf_whitened(rewards, lengths):
+    """OpenRLHF's REINFORCE++ normalisation, written out on the token level: each row's per-token return is its
+    reward (gamma 1, no KL); mean and variance over every action token of the batch; (x - mean) * rsqrt(var)."""
+    returns = torch.cat([torch.full((n,), float(r), dtype=torch.float64) for r, n in zip(rewards, lengths)])
+    mean = returns.mean()
+    rstd = ((returns - mean).pow(2).mean()).clamp(min=1e-8).rsqrt()
+    whitened = ((returns - mean) * rstd).split(lengths)
+    assert all(bool((row == row[0]).all()) for row in whitened)  # one value per row: the row's advantage
+    return torch.stack([row[0] for row in whitened])
+
+
+def test_reinforce_pp_whitens_over_the_loss_tokens_of_a_ragged_batch_as_openrlhf_does():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    lengths = [9, 1, 4, 2, 7]
+    expected = openrlhf_whitened(rewards, lengths)
+    advantages = reinforce_pp_advantages(rewards, torch.arange(5), torch.tensor(lengths))
+    torch.testing.assert_close(advantages, expected, rtol=1e-12, atol=1e-12)
+    by_rows = reinforce_pp_advantages(rewards, torch.arange(5), torch.tensor(lengths), whiten="rows")
+    assert float((advantages - by_rows).abs().max()) > 0.1  # on ragged rows the two differ, a lot
+    # the docstring's example
+    torch.testing.assert_close(reinforce_pp_advantages(torch.tensor([1.0, 0.0]), torch.arange(2), torch.tensor([3, 1])),
+                               torch.tensor([1 / math.sqrt(3), -math.sqrt(3)]), rtol=1e-6, atol=0)
+
+
+def test_reinforce_pp_rows_option_whitens_each_row_once():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # mean 0.25, sample std 0.5
-    torch.testing.assert_close(reinforce_pp_advantages(rewards, torch.arange(4)),
-                               torch.tensor([1.5, -0.5, -0.5, -0.5], dtype=torch.float64), rtol=1e-5, atol=0)
+    advantages = reinforce_pp_advantages(rewards, torch.arange(4), torch.tensor([5, 1, 1, 9]), whiten="rows")
+    torch.testing.assert_close(advantages, torch.tensor([1.5, -0.5, -0.5, -0.5], dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+    # equal lengths: tokens and rows agree up to the variance's Bessel correction and epsilon
+    equal = reinforce_pp_advantages(rewards, torch.arange(4), torch.tensor([3, 3, 3, 3]))
+    torch.testing.assert_close(equal, advantages * math.sqrt(4 / 3), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="token_counts"):
+        reinforce_pp_advantages(rewards, torch.arange(4))
+    with pytest.raises(ValueError, match="whiten='columns'"):
+        reinforce_pp_advantages(rewards, torch.arange(4), torch.ones(4), whiten="columns")
 
 
 def test_reinforce_pp_baseline_centers_per_group_then_whitens_globally():
     rewards = torch.tensor([1.0, 0.0, 5.0, 6.0], dtype=torch.float64)
-    # group-centred: [0.5, -0.5, -0.5, 0.5]; global mean 0, sample std sqrt(1/3)
-    expected = torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64) * math.sqrt(3)
-    advantages = reinforce_pp_baseline_advantages(rewards, torch.tensor([0, 0, 1, 1]))
-    torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=0)
-    assert abs(float(advantages.mean())) < 1e-12
+    lengths = [2, 6, 3, 1]
+    centered = torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64)  # group-centred rewards
+    advantages = reinforce_pp_baseline_advantages(rewards, torch.tensor([0, 0, 1, 1]), torch.tensor(lengths))
+    torch.testing.assert_close(advantages, openrlhf_whitened(centered, lengths), rtol=1e-12, atol=1e-12)
+    rows = reinforce_pp_baseline_advantages(rewards, torch.tensor([0, 0, 1, 1]), torch.tensor(lengths), whiten="rows")
+    torch.testing.assert_close(rows, centered * math.sqrt(3), rtol=1e-5, atol=0)  # mean 0, sample std sqrt(1/3)
 
 
 @pytest.mark.parametrize("estimator", [grpo_advantages, drgrpo_advantages, rloo_advantages])

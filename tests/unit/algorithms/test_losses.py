@@ -48,7 +48,7 @@ def inputs_for(batch, policy, advantages):
 def full_and_sliced(name, options):
     batch = make_batch()
     spec = LOSSES[name]
-    advantages = spec.advantages(batch["rewards"], batch["group_ids"])  # on the WHOLE batch
+    advantages = spec.advantages(batch["rewards"], batch["group_ids"], batch["mask"].sum(-1))  # on the WHOLE batch
     norm = global_norm(batch["mask"], batch["rewards"], max_new_tokens=8)
 
     full_policy = batch["policy"].clone().requires_grad_()
@@ -89,7 +89,7 @@ def test_defaults_are_read_only_and_applied_when_no_option_is_given():
     with pytest.raises(TypeError):
         spec.defaults["eps_high"] = 0.3
     batch = make_batch()
-    advantages = spec.advantages(batch["rewards"], batch["group_ids"])
+    advantages = spec.advantages(batch["rewards"], batch["group_ids"], batch["mask"].sum(-1))
     norm = global_norm(batch["mask"], batch["rewards"], max_new_tokens=8)
     inputs = inputs_for(batch, batch["policy"], advantages)
     implicit, _ = spec.objective(inputs, norm)
@@ -100,7 +100,7 @@ def test_defaults_are_read_only_and_applied_when_no_option_is_given():
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_unknown_option_raises_value_error_naming_it(name):
     batch = make_batch()
-    advantages = LOSSES[name].advantages(batch["rewards"], batch["group_ids"])
+    advantages = LOSSES[name].advantages(batch["rewards"], batch["group_ids"], batch["mask"].sum(-1))
     norm = global_norm(batch["mask"], batch["rewards"], max_new_tokens=8)
     with pytest.raises(ValueError, match="epsilon_low"):
         LOSSES[name].objective(inputs_for(batch, batch["policy"], advantages), norm, epsilon_low=0.1)
@@ -114,7 +114,7 @@ def test_unknown_option_raises_value_error_naming_it(name):
 ])
 def test_bad_option_values_raise_value_error(name, option):
     batch = make_batch()
-    advantages = LOSSES[name].advantages(batch["rewards"], batch["group_ids"])
+    advantages = LOSSES[name].advantages(batch["rewards"], batch["group_ids"], batch["mask"].sum(-1))
     norm = global_norm(batch["mask"], batch["rewards"], max_new_tokens=8)
     with pytest.raises(ValueError, match=next(iter(option)).split("_")[0]):
         LOSSES[name].objective(inputs_for(batch, batch["policy"], advantages), norm, **option)

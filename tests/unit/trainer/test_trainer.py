@@ -179,3 +179,27 @@ def test_overlong_shaping_reads_the_generated_length_not_the_trained_one():
     assert metrics["reward/mean"] == 1.0
     assert metrics["reward/shaped_mean"] == pytest.approx((1 - 1 + 1 + 0) / 2)  # 20 > L_max = 10: R_len = -1
     assert metrics["response/length_mean"] == 12 and metrics["response/length_max"] == 20
+
+
+def test_reinforce_pp_whitens_over_loss_tokens_by_default_and_over_rows_when_asked():
+    model = build_model(VOCAB, 16, 1, 2, 32, seed=4)
+    batch = [make_trajectory([1, 2, *range(1, 9)], 2, reward=1.0, group=0),  # 8 loss tokens
+             make_trajectory([1, 2, 3], 2, reward=0.0, group=1),  # 1
+             make_trajectory([1, 2, 3, 4], 2, reward=0.0, group=2)]  # 2
+    by_tokens = Trainer(copy.deepcopy(model), **_settings("reinforce++", {})).step(batch)
+    by_rows = Trainer(copy.deepcopy(model), **_settings("reinforce++", {"whiten": "rows"})).step(batch)
+    # tokens: mean 8/11, population std over 11 tokens; rows: mean 1/3, sample std over 3 rows
+    mean, var = 8 / 11, (8 * (1 - 8 / 11) ** 2 + 3 * (8 / 11) ** 2) / 11
+    expected = [(r - mean) / math.sqrt(var) for r in (1.0, 0.0, 0.0)]
+    assert by_tokens["advantage/abs_mean"] == pytest.approx(sum(abs(a) for a in expected) / 3)
+    assert by_rows["advantage/abs_mean"] == pytest.approx((2 / 3 + 1 / 3 + 1 / 3) / 3 / math.sqrt(1 / 3), rel=1e-5)
+    with pytest.raises(ValueError, match="whiten='columns'"):
+        Trainer(copy.deepcopy(model), **_settings("reinforce++", {"whiten": "columns"}))
+    with pytest.raises(ValueError, match="unknown option.*whiten"):  # not an option of a loss without whitening
+        Trainer(copy.deepcopy(model), **_settings("grpo", {"whiten": "rows"}))
+
+
+def _settings(loss, options):
+    return dict(loss=loss, loss_options=options, optimizer=OptimizerSettings(
+        lr=1e-3, weight_decay=0, betas=(0.9, 0.99), warmup_steps=0, total_steps=1, min_lr_ratio=1, grad_clip=1),
+        microbatch_size=4, pad_token_id=0, temperature=1.0, max_new_tokens=8)
