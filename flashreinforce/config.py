@@ -47,7 +47,8 @@ class ModelConfig(_Section):
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the model built when `path` is None."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute precision, used by the trainer and the local engine alike."""
+    """Parameter and compute precision, used by the trainer and the local engine alike. bfloat16 computes in
+    bf16 and trains with fp32 master weights and optimizer state (so small updates are not rounded away)."""
 
 
 class ArithmeticConfig(_Section):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -22,7 +23,7 @@ def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
 
 
 def build_optimizer(
-    model: torch.nn.Module,
+    parameters: Sequence[torch.nn.Parameter],
     *,
     lr: float,
     weight_decay: float,
@@ -31,9 +32,10 @@ def build_optimizer(
     total_steps: int,
     min_lr_ratio: float,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `parameters` (a model's, or its fp32 masters from precision.MasterWeights.params)."""
     # Decay matrices only: biases and norm gains are not regularized (the usual LM practice).
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    decay = [p for p in parameters if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in parameters if p.requires_grad and p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from flashreinforce.models.logprobs import token_logprobs
+from flashreinforce.trainer.precision import MasterWeights
 
 
 def sft_warm_start(
@@ -30,7 +31,8 @@ def sft_warm_start(
     if not examples:
         raise ValueError("SFT needs at least one example")
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    masters = MasterWeights(model)  # a bf16 model steps fp32 masters, else small updates round away
+    optimizer = torch.optim.AdamW(masters.params, lr=lr)
     model.train()
     losses = []
     for step in range(steps):
@@ -47,9 +49,11 @@ def sft_warm_start(
             target_mask[row, len(prompt):n] = True
         logprobs, _ = token_logprobs(model, input_ids, attention_mask, with_entropy=False)
         loss = -(logprobs * target_mask).sum() / target_mask.sum()
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # the masters' grads are assigned whole by grads_to_masters
         loss.backward()
+        masters.grads_to_masters()
         optimizer.step()
+        masters.copy_to_model()
         losses.append(float(loss.detach()))
         if on_step is not None:
             on_step(step, losses[-1])

@@ -22,6 +22,7 @@ from flashreinforce.algorithms.wpsm import mean_token_entropy, wpsm_flags, wpsm_
 from flashreinforce.models.logprobs import token_logprobs
 from flashreinforce.trainer.batching import TrainBatch, collate
 from flashreinforce.trainer.optim import build_optimizer
+from flashreinforce.trainer.precision import MasterWeights
 from flashreinforce.types import Trajectory
 
 
@@ -74,8 +75,10 @@ class Trainer:
         self.spec = LOSSES[loss]
         self.advantage_options, loss_options = self.spec.split_options(loss_options, loss)
         self.loss_options = {**self.spec.defaults, **loss_options}
+        # A bf16 model computes; AdamW steps fp32 masters of its weights (precision.py says why).
+        self.masters = MasterWeights(model)
         self.optimizer, self.schedule = build_optimizer(
-            model,
+            self.masters.params,
             lr=optimizer.lr,
             weight_decay=optimizer.weight_decay,
             betas=optimizer.betas,
@@ -117,7 +120,7 @@ class Trainer:
             max_new_tokens=self.max_new_tokens,
         )
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # the model's, not only the masters': a failed step's bf16 grads
         per_row: dict[str, list[torch.Tensor]] = {}  # (b,) stats: concatenated, then averaged over rows
         scalars: dict[str, float] = {}  # scalar stats are each slice's share of the batch figure: summed
         token_sums = {"entropy": 0.0, "abs_mismatch": 0.0, "k3_mismatch": 0.0}
@@ -170,12 +173,14 @@ class Trainer:
             token_sums["abs_mismatch"] += float(gap.abs().sum())
             # k3 estimator of KL(behavior || policy) per token: exp(d) - d - 1 with d = log pi - log mu
             token_sums["k3_mismatch"] += float((torch.expm1(gap) - gap).sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.masters.grads_to_masters()  # clip, report and step in fp32
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.params, self.grad_clip)
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at step {self.version}; "
                                      "lower trainer.lr or check the rewards")
         lr = self.schedule.get_last_lr()[0]
         self.optimizer.step()
+        self.masters.copy_to_model()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
@@ -225,13 +230,19 @@ class Trainer:
         """Nothing to release in this process; here so a run closes a Trainer and a TrainerProcess alike."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(),
             "version": self.version,
         }
+        masters = self.masters.state_dict()
+        if masters:  # a bf16 model: the fp32 weights the next step continues from, not the rounded ones
+            state["master_weights"] = masters
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "master_weights" in state:  # else (fp32, or saved before masters were) they stay the model's weights
+            self.masters.load_state_dict(state["master_weights"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.version = int(state["version"])
