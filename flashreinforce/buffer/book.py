@@ -33,6 +33,9 @@ class RolloutTask:
     """Data position of the prompt (U-RB data group = group // batch_groups)."""
     admitted_version: int
     """Policy version when this key was FIRST admitted; a resume keeps it. Lower-bounds every token version."""
+    group_version: int
+    """Policy version when the group's FIRST rollout was admitted. Siblings admitted later (after a weight
+    push) share it, so every rollout of a group sees the same prompt (an AHRL hint is rendered at it)."""
     partial: Generation | None = None
     """Resume from this partial generation (finish_reason "abort"); None for a fresh start."""
 
@@ -44,6 +47,8 @@ class Group:
     position: int
     prompt: Prompt
     keys: tuple[RolloutKey, ...]
+    first_version: int | None = None
+    """Policy version when the group's first rollout was admitted; None before that."""
     finished: dict[RolloutKey, Trajectory] = field(default_factory=dict)
     parked: dict[RolloutKey, RolloutTask] = field(default_factory=dict)
     """Aborted mid-generation; the task carries the partial and waits to be resumed."""
@@ -108,7 +113,9 @@ class GroupBook:
             group = self.groups[position]
             task = group.parked.pop(key, None)
             if task is None:
-                task = RolloutTask(key, group.prompt, position, version)
+                if group.first_version is None:
+                    group.first_version = version
+                task = RolloutTask(key, group.prompt, position, version, group.first_version)
                 self.ledger.schedule(key)
             else:
                 self.resumed += 1
@@ -230,9 +237,10 @@ class GroupBook:
             self.groups[group.position] = group
         self.in_flight = {}
         for prompt_id, sample, position, admitted_version, partial in state["in_flight"]:
-            key = RolloutKey(prompt_id, sample)
-            assert key in self.groups[position].keys, f"in-flight {key} is not a rollout of group {position}"
-            self.in_flight[key] = RolloutTask(key, self.groups[position].prompt, position, admitted_version, partial)
+            key, group = RolloutKey(prompt_id, sample), self.groups[position]
+            assert key in group.keys, f"in-flight {key} is not a rollout of group {position}"
+            self.in_flight[key] = RolloutTask(key, group.prompt, position, admitted_version,
+                                              group.first_version, partial)
         self.cancelling = {RolloutKey(p, s) for p, s in state["cancelling"]}
         self._waiting = sorted((g.position, k.sample, k) for g in self.groups.values() for k in g.keys
                                if k not in g.finished and k not in self.in_flight)
@@ -241,6 +249,7 @@ class GroupBook:
 def group_state(group: Group) -> dict:
     """Picklable: plain values plus the Trajectory/Generation records. The prompt is re-read from the data."""
     return {"position": group.position, "prompt_id": group.prompt.id, "samples": [k.sample for k in group.keys],
+            "first_version": group.first_version,
             "finished": [group.finished[k] for k in group.keys if k in group.finished],
             "parked": [[t.key.sample, t.admitted_version, t.partial] for t in group.parked.values()]}
 
@@ -251,11 +260,11 @@ def group_from_state(state: dict, prompt_at: PromptAt) -> Group:
     if prompt.id != state["prompt_id"]:
         raise ValueError(f"scheduler state: data position {position} held prompt {state['prompt_id']!r} but the "
                          f"data now gives {prompt.id!r}; resume with the same dataset, order and seed")
-    group = Group(position, prompt, tuple(RolloutKey(prompt.id, s) for s in state["samples"]))
+    group = Group(position, prompt, tuple(RolloutKey(prompt.id, s) for s in state["samples"]), state["first_version"])
     group.finished = {t.key: t for t in state["finished"]}
     for sample, admitted_version, partial in state["parked"]:
         key = RolloutKey(prompt.id, sample)
-        group.parked[key] = RolloutTask(key, prompt, position, admitted_version, partial)
+        group.parked[key] = RolloutTask(key, prompt, position, admitted_version, group.first_version, partial)
     return group
 
 

@@ -37,7 +37,7 @@ from flashreinforce.controller.loop import LoopSettings, RLLoop
 from flashreinforce.data.arithmetic import ALPHABET, THINK_CLOSE, THINK_OPEN, make_arithmetic_splits, render_target
 from flashreinforce.data.loaders import load_prompts
 from flashreinforce.data.order import PromptOrder
-from flashreinforce.envs.hints import HintedPrompts
+from flashreinforce.envs.hints import HintedPrompts, longest_hinted_prompt
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.eval.evaluate import EvalReport, evaluate
 from flashreinforce.metrics.plots import plot_run
@@ -192,9 +192,9 @@ def build_engine(model: Any, tokenizer: Any, *, max_batch_size: int, max_new_tok
     needed = longest_prompt + max_new_tokens
     limit = getattr(model.config, "max_position_embeddings", needed)
     if needed > limit:
-        raise ValueError(f"prompts of up to {longest_prompt} tokens plus max_new_tokens={max_new_tokens} need "
-                         f"{needed} positions but the model has {limit}; lower rollout.max_new_tokens or use a "
-                         "model with a longer context")
+        raise ValueError(f"prompts of up to {longest_prompt} tokens (AHRL hints included) plus "
+                         f"max_new_tokens={max_new_tokens} need {needed} positions but the model has {limit}; "
+                         "lower rollout.max_new_tokens or algo.hints.p_initial, or use a model with a longer context")
     return Engine(
         copy.deepcopy(model),
         max_batch_size=max_batch_size,
@@ -205,6 +205,17 @@ def build_engine(model: Any, tokenizer: Any, *, max_batch_size: int, max_new_tok
         version=version,
         seed=seed,
     )
+
+
+def _longest_prompt(config: RunConfig, episodes: TextEpisodes, data: Data) -> int:
+    """Tokens the engine's context must hold before the generation budget: AHRL hints included, so a hinted
+    rollout still gets rollout.max_new_tokens new tokens."""
+    longest = max(len(episodes.prompt_ids(p)) for p in [*data.train, *data.eval])
+    hints = config.algo.hints
+    if hints is None:
+        return longest
+    return max(longest, longest_hinted_prompt(episodes, data.train, p_initial=hints.p_initial,
+                                              think_open=hints.think_open))
 
 
 def _check_supported(config: RunConfig) -> None:
@@ -258,7 +269,7 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
         tokenizer,
         max_batch_size=config.rollout.max_batch_size,
         max_new_tokens=config.rollout.max_new_tokens,
-        longest_prompt=max(len(episodes.prompt_ids(p)) for p in [*data.train, *data.eval]),
+        longest_prompt=_longest_prompt(config, episodes, data),
         seed=config.seed,
         version=version,
     )

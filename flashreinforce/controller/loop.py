@@ -143,8 +143,8 @@ class RLLoop:
             if task.partial is not None:
                 self.backend.submit(rid, task.partial.prompt_ids, task.partial.params, prefix=task.partial)
             else:
-                if self.hints is not None:  # AHRL: the hint of the step the rollout starts at
-                    prompt_ids = self.hints.prompt_ids(task.prompt, self.version)
+                if self.hints is not None:  # AHRL: one hinted prompt per group, of the step the group started at
+                    prompt_ids = self.hints.prompt_ids(task.prompt, task.group_version)
                 else:
                     prompt_ids = self.episodes.prompt_ids(task.prompt)
                 params = replace(self.settings.sampling, seed=request_seed(self.settings.seed, task.key))

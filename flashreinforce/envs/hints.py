@@ -6,7 +6,7 @@ have loss_mask 0, and the trajectory records how many there were (Trajectory.hin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from flashreinforce.algorithms.hints import hint_fraction, hinted_prompt
 from flashreinforce.envs.single_turn import TextEpisodes
@@ -18,7 +18,8 @@ class HintedPrompts:
 
     A prompt qualifies when it has a reference think and its initial pass@k (on the warm-start model) is at
     most `pass_threshold`. Its hint is floor(p_hint * |think tokens|) tokens, p_hint = p_initial *
-    exp(-gamma * step * max(pass, pass_floor)); all rollouts of a prompt at one step share the same hint.
+    exp(-gamma * step * max(pass, pass_floor)). The loop renders a group's prompt at the step its first
+    rollout was admitted (RolloutTask.group_version), so all G rollouts of a group share one hinted prompt.
     """
 
     def __init__(
@@ -43,18 +44,32 @@ class HintedPrompts:
         return prompt.reference_think is not None and self.pass_initial.get(prompt.id, 1.0) <= self.pass_threshold
 
     def prompt_ids(self, prompt: Prompt, step: int) -> list[int]:
-        ids = self.episodes.prompt_ids(prompt)
         if not self.qualifies(prompt):
-            return ids
+            return self.episodes.prompt_ids(prompt)
         fraction = hint_fraction(step, self.pass_initial[prompt.id], p_initial=self.p_initial, gamma=self.gamma,
                                  pass_floor=self.pass_floor)
-        think = self.episodes.tokenizer.encode(prompt.reference_think, add_special_tokens=False)
-        # The opener is skipped when the rendered prompt already ends with it (a template that emits <think>).
-        opens_already = bool(self._think_open) and ids[-len(self._think_open):] == self._think_open
-        opener = [] if opens_already else self._think_open
-        hinted, _ = hinted_prompt(ids, think, fraction, think_open_ids=opener)
-        return list(hinted)
+        return render_hinted(self.episodes, prompt, fraction, self._think_open)
 
     def hint_length(self, prompt: Prompt, prompt_ids: tuple[int, ...] | list[int]) -> int:
         """How many of `prompt_ids` (as sent to the engine) are hint: the tokens after the rendered prompt."""
         return len(prompt_ids) - len(self.episodes.prompt_ids(prompt))
+
+
+def render_hinted(episodes: TextEpisodes, prompt: Prompt, fraction: float, think_open_ids: list[int]) -> list[int]:
+    """The prompt's ids followed by the first `fraction` of its reference think (and the opener, unless the
+    rendered prompt already ends with it: a template that emits <think>)."""
+    ids = episodes.prompt_ids(prompt)
+    think = episodes.tokenizer.encode(prompt.reference_think, add_special_tokens=False)
+    opens_already = bool(think_open_ids) and ids[-len(think_open_ids):] == think_open_ids
+    hinted, _ = hinted_prompt(ids, think, fraction, think_open_ids=[] if opens_already else think_open_ids)
+    return list(hinted)
+
+
+def longest_hinted_prompt(episodes: TextEpisodes, prompts: Sequence[Prompt], *, p_initial: float,
+                          think_open: str) -> int:
+    """The most tokens any of `prompts` can take with its hint: what the engine's context must hold on top
+    of the generation budget. Known before the pass rates: p_hint is largest at step 0 (p_initial, it
+    never grows), and every prompt with a reference think is taken to qualify."""
+    opener = episodes.tokenizer.encode(think_open, add_special_tokens=False) if think_open else []
+    return max(len(render_hinted(episodes, p, p_initial, opener)) if p.reference_think is not None
+               else len(episodes.prompt_ids(p)) for p in prompts)

@@ -118,6 +118,20 @@ def test_ahrl_hints_reach_the_engine_and_never_the_loss(tiny_run, tmp_path):
     assert all(s["prompt"].split("=", 1)[1].startswith("<think>") for s in samples)  # prompt, then opener + hint
 
 
+def test_a_hinted_rollout_keeps_the_whole_generation_budget(tiny_run, tmp_path):
+    """The engine's context is sized for the longest hinted prompt, so even a whole think revealed (p_initial 1)
+    leaves every rollout rollout.max_new_tokens new tokens; a hint used to eat them, then crash the run."""
+    config = load_config(None, [*tiny_run, "trainer.steps=2", "data.arithmetic.num_train=40", "log.tensorboard=false",
+                                "rollout.max_new_tokens=4", "trainer.checkpoint_every=0",
+                                "algo.hints={p_initial: 1.0, gamma: 0.0, k: 1, samples: 1, pass_threshold: 1.0}"])
+    run_training(config, run_dir=tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss/policy" in r]
+    assert len(trained) == 2 and all(r["hints/hinted_fraction"] == 1.0 for r in trained)
+    # the whole think is in the prompt, yet the answer has room: 4 tokens, none taken by the hint
+    assert max(r["response/length_max"] for r in trained) == 4
+
+
 def _count_pauses(monkeypatch) -> list[int]:
     from flashreinforce.controller.local import LocalBackend
 

@@ -152,3 +152,16 @@ def test_buffer_imports_only_types_and_the_standard_library():
                 top = name.split(".")[0]
                 assert top in sys.stdlib_module_names or name == "flashreinforce.types" or name.startswith(
                     "flashreinforce.buffer"), f"{path.name} imports {name}"
+
+
+def test_a_groups_rollouts_share_the_version_its_first_one_was_admitted_at_even_across_a_checkpoint():
+    s = build("stream", batch_groups=1, group_size=3, max_staleness=2)
+    (first,) = s.admit(free_slots=1, version=0)
+    state = pickle.loads(pickle.dumps(s.state_dict()))
+    restored = restorer("stream", batch_groups=1, group_size=3, max_staleness=2)(state)
+    assert restored.book.in_flight[first.key].group_version == 0
+    later = restored.admit(free_slots=2, version=1)  # the siblings start after a weight push
+    assert [t.key.prompt_id for t in later] == ["p0", "p0"]
+    assert [t.admitted_version for t in later] == [1, 1] and [t.group_version for t in later] == [0, 0]
+    (other,) = restored.admit(free_slots=1, version=1)
+    assert other.key.prompt_id == "p1" and other.group_version == 1  # a new group starts at its own version

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from flashreinforce.envs.hints import HintedPrompts
+from flashreinforce.envs.hints import HintedPrompts, longest_hinted_prompt
 from flashreinforce.envs.single_turn import TextEpisodes, to_trajectory
 from flashreinforce.models import build_char_tokenizer
 from flashreinforce.types import FORCED_VERSION, Generation, Prompt, RolloutKey, SamplingParams, Verdict
@@ -62,3 +62,14 @@ def test_hint_tokens_are_prompt_never_trained():
 def test_negative_steps_are_refused(step):
     with pytest.raises(ValueError, match="step"):
         hints().prompt_ids(HARD, step)
+
+
+def test_the_longest_hinted_prompt_bounds_every_prompt_at_every_step_before_the_pass_rates_are_known():
+    prompts = [HARD, EASY, BARE]
+    bound = longest_hinted_prompt(EPISODES, prompts, p_initial=0.8, think_open="<think>")
+    assert bound == len(EPISODES.prompt_ids(HARD)) + 1 + math.floor(0.8 * len(THINK))  # HARD at step 0
+    for pass_rates in ({"hard": 0.0, "easy": 0.0, "bare": 0.0}, {"hard": 0.5, "easy": 1.0}):
+        schedule = HintedPrompts(EPISODES, pass_rates, p_initial=0.8, gamma=0.01, pass_threshold=1.0,
+                                 pass_floor=0.0, think_open="<think>")
+        assert max(len(schedule.prompt_ids(p, t)) for p in prompts for t in (0, 5, 500)) <= bound
+    assert longest_hinted_prompt(EPISODES, [BARE], p_initial=1.0, think_open="<think>") == len(EPISODES.prompt_ids(BARE))
