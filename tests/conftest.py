@@ -31,3 +31,47 @@ TINY_RUN = [
 @pytest.fixture
 def tiny_run() -> list[str]:
     return list(TINY_RUN)
+
+
+# A Qwen2.5-style ChatML template (system default, tool responses merged into one user turn, generation prompt).
+QWEN_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' or (message['role'] == 'system' and not loop.first)"
+    " or message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHAT_CORPUS = (
+    "You are a helpful assistant.", "What is 2+3? Answer with a number.", "The answer is 5.", "#### 42",
+    "Alla breve is a meter; Allan and Allah are names.", "<tool_response>\nok\n</tool_response>",
+    "def add(a, b):\n    return a + b\n", "print(sum(range(10)))", "Let me think step by step.",
+)
+
+
+def build_chat_tokenizer():
+    """A real byte-level BPE tokenizer with ChatML special tokens and a Qwen-style chat template, trained
+    offline on a tiny corpus: merges, added tokens and template rendering behave as in a Hub checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(list(CHAT_CORPUS) * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer():
+    return build_chat_tokenizer()

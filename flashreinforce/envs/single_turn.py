@@ -28,9 +28,9 @@ class TextEpisodes:
             if not self.tokenizer.chat_template:
                 raise ValueError(f"prompt {prompt.id} is chat messages but the tokenizer has no chat template; "
                                  "give the tokenizer one (tokenizer.chat_template) or use plain-text prompts")
-            ids = self.tokenizer.apply_chat_template(list(prompt.prompt), add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict):  # newer transformers return a BatchEncoding
-                ids = ids["input_ids"]
+            # return_dict: one return type across transformers versions (5.x gives a BatchEncoding, not a dict).
+            ids = list(self.tokenizer.apply_chat_template(list(prompt.prompt), add_generation_prompt=True,
+                                                          tokenize=True, return_dict=True)["input_ids"])
         if not ids:
             raise ValueError(f"prompt {prompt.id} renders to zero tokens")
         return [*ids, *hint_ids]

@@ -169,3 +169,28 @@ def test_without_in_flight_updates_every_push_pauses(tiny_run, tmp_path, monkeyp
     run_training(config, run_dir=tmp_path / "run")
     assert pauses == [1, 2, 3]
 
+
+
+def test_chat_message_prompts_train_with_a_chat_template_model(chat_tokenizer, tiny_run, tmp_path):
+    """A Hugging Face model directory with a ChatML tokenizer and data whose prompts are chat messages."""
+    from flashreinforce.models import build_model
+
+    model_dir = tmp_path / "chat-model"
+    build_model(len(chat_tokenizer), 32, 1, 2, 128, pad_token_id=chat_tokenizer.pad_token_id,
+                eos_token_id=chat_tokenizer.eos_token_id).save_pretrained(model_dir)
+    chat_tokenizer.save_pretrained(model_dir)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}], "reward_model": {"ground_truth": str(a + b)}}
+            for a in range(4) for b in range(4)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(None, [*tiny_run, f"model.path={model_dir}", "data.kind=files", f"data.train={data}",
+                                f"data.eval={data}", "scheduler.batch_groups=4", "trainer.steps=2",
+                                "rollout.max_new_tokens=6", "eval.num_prompts=4", "log.tensorboard=false"])
+    summary = run_training(config, run_dir=tmp_path / "run")
+    assert summary["optimizer_steps"] == 2 and summary["trained_trajectories"] == 8
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples
+    for sample in samples:  # ids "chat/<row>": the prompt decodes back to exactly what the template renders
+        messages = rows[int(sample["prompt_id"].split("/")[1])]["prompt"]
+        assert sample["prompt"] == chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                      tokenize=False)
