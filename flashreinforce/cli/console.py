@@ -59,6 +59,10 @@ class Reporter:
         if self.enabled:
             self.console.print(text, highlight=False)
 
+    def warn(self, text: str) -> None:
+        """Something the user must see whatever log.progress says (a damaged checkpoint skipped, ...)."""
+        self.console.print(f"warning: {text}", highlight=False)
+
     @contextlib.contextmanager
     def status(self, text: str) -> Iterator[None]:
         if self.live:

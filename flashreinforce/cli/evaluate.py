@@ -15,6 +15,7 @@ from flashreinforce.data.loaders import load_prompts
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.eval.evaluate import evaluate
 from flashreinforce.models import load_model
+from flashreinforce.models.causal_lm import model_dir_problem
 from flashreinforce.trainer.checkpoint import latest_checkpoint
 from flashreinforce.types import SamplingParams
 from flashreinforce.verifiers.pool import VerifierPool
@@ -51,6 +52,10 @@ def evaluate_checkpoint(
     model_dir, run_dir = resolve_model_dir(Path(path))
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir} holds no model yet (the run has no checkpoint and no warm start)")
+    problem = model_dir_problem(model_dir)  # checked before the tokenizer: a damaged file is named, not a traceback
+    if problem is not None:
+        raise ValueError(f"cannot evaluate {model_dir}: {problem[0].name} {problem[1]}; restore it from a backup, "
+                         "or evaluate an older checkpoint (pass its checkpoints/step_* directory)")
     config = config_from_tree(read_run_config(run_dir)) if run_dir is not None else load_config(recipe)
     prompts = load_prompts(data).prompts if data is not None else load_data(config).eval
     prompts = prompts[: num_prompts or config.eval.num_prompts]

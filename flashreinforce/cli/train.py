@@ -44,7 +44,7 @@ from flashreinforce.metrics.plots import plot_run
 from flashreinforce.metrics.sink import MetricsSink
 from flashreinforce.models import build_char_tokenizer, build_model, load_model
 from flashreinforce.rollout.engine import Engine
-from flashreinforce.trainer.checkpoint import latest_checkpoint, load_states, save_checkpoint
+from flashreinforce.trainer.checkpoint import newest_intact_checkpoint, save_checkpoint
 from flashreinforce.trainer.process import TrainerProcess
 from flashreinforce.trainer.sft import sft_warm_start
 from flashreinforce.trainer.trainer import OptimizerSettings, OverlongShaping, Trainer, WPSMSettings
@@ -99,8 +99,12 @@ def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporte
     if config.model.path is not None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(config.model.path, local_files_only=True)
-        return tokenizer, load_model(config.model.path, dtype=dtype)
+        from flashreinforce.models.causal_lm import check_model_dir
+
+        # Checked first: the tokenizer loader takes a path that does not exist for a Hub repo id.
+        path = check_model_dir(config.model.path, field="model.path")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return tokenizer, load_model(path, dtype=dtype)
     sft_dir = run_dir / "sft"
     if (sft_dir / "config.json").is_file():
         from transformers import AutoTokenizer
@@ -249,7 +253,11 @@ def _sample_rows(batch: Sequence[Trajectory], episodes: TextEpisodes, count: int
 
 async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: Reporter) -> dict[str, Any]:
     started = time.perf_counter()
-    checkpoint = latest_checkpoint(run_dir / "checkpoints") if resume else None
+    # The newest checkpoint that opens fully (model files, states, ledger); damaged newer ones are kept aside.
+    resumable = newest_intact_checkpoint(run_dir / "checkpoints", set_aside=True) if resume else None
+    checkpoint = resumable.checkpoint if resumable is not None else None
+    for aside, reason in resumable.skipped if resumable is not None else []:
+        reporter.warn(f"skipped a damaged checkpoint ({reason}), kept as {aside}; resuming from {checkpoint}")
     data = load_data(config)
     if checkpoint is not None:
         from transformers import AutoTokenizer
@@ -261,7 +269,7 @@ async def _run_async(config: RunConfig, run_dir: Path, resume: bool, reporter: R
     episodes = TextEpisodes(tokenizer)
     trainer_state = controller_state = meta = None
     if checkpoint is not None:
-        trainer_state, controller_state, meta = load_states(checkpoint)
+        trainer_state, controller_state, meta = resumable.trainer_state, resumable.controller_state, resumable.meta
         torch.set_rng_state(trainer_state["torch_rng"])
     version = trainer_state["version"] if trainer_state else 0
     engine = build_engine(
@@ -468,7 +476,16 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ValueError(f"{run_dir} is not a run directory (no config.yaml); pass the --output of an earlier run")
-    return yaml.safe_load(path.read_text())
+    fix = "restore it from a backup, or rewrite it (`flashreinforce train RECIPE --dry-run` prints a resolved config)"
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} (the run's resolved config) is not valid YAML ({' '.join(str(error).split())}); "
+                         f"{fix}") from None
+    if not isinstance(tree, dict):
+        raise ValueError(f"{path} (the run's resolved config) holds a {type(tree).__name__}, not a mapping of "
+                         f"sections; {fix}")
+    return tree
 
 
 def sft_only(config: RunConfig, output: Path) -> Path:

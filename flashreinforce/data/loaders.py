@@ -120,11 +120,29 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
     import pyarrow.parquet as pq  # lazy: only parquet users pay for it
 
     try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS)
-    except pyarrow.ArrowException as e:
+        parquet = pq.ParquetFile(path)
+    except (pyarrow.ArrowException, OSError) as e:
         raise ValueError(f"data path {path} is not a readable parquet file ({e}); check the file") from e
-    records = (record for batch in batches for record in batch.to_pylist())
-    return ((row, f"{path} row {row}", record) for row, record in enumerate(records))
+    return _parquet_records(path, parquet)
+
+
+def _parquet_records(path: Path, parquet: Any) -> Iterator[tuple[int, str, Any]]:
+    """Rows one row group at a time, so that damaged pages (the footer opened fine) are reported with the
+    rows they hold. A whole page is lost, not one row, so this is an error even with on_bad_row='skip'."""
+    import pyarrow
+
+    first = 0
+    for group in range(parquet.metadata.num_row_groups):
+        count, row = parquet.metadata.row_group(group).num_rows, first
+        try:
+            for batch in parquet.iter_batches(batch_size=_BATCH_ROWS, row_groups=[group]):
+                for record in batch.to_pylist():
+                    yield row, f"{path} row {row}", record
+                    row += 1
+        except (pyarrow.ArrowException, OSError) as e:  # thrift page headers fail as a plain OSError
+            raise ValueError(f"data path {path}: rows {row}-{first + count - 1} (row group {group}) are unreadable, "
+                             f"the file is damaged ({' '.join(str(e).split())}); re-export or re-download it") from e
+        first += count
 
 
 def _saved_dataset_rows(path: Path, split: str | None) -> tuple[Iterator[tuple[int, str, Any]], str]:

@@ -6,9 +6,11 @@ same model code. This module is not a model zoo and does no training or generati
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 
 DTYPES: dict[str, torch.dtype] = {
@@ -90,11 +92,65 @@ def load_model(
     attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
     """Load a causal LM saved with `save_pretrained` from a local directory (never the network)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model path {str(path)!r} has no config.json: pass a local directory written by save_pretrained"
-        )
+    path = check_model_dir(path)
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, local_files_only=True
     )
+
+
+def model_dir_problem(path: Path) -> tuple[Path, str] | None:
+    """(file, what is wrong with it) for the first unusable file of a saved model directory, or None.
+
+    It checks what `from_pretrained` would otherwise trip over with a traceback: a missing directory or
+    config.json, JSON files (config, tokenizer) that do not parse, safetensors files whose header does not
+    cover the file (a truncated copy: safetensors checks the sizes when it opens one, a cheap mmap), shards
+    named by an index that are absent, and no weights at all. It cannot see flipped bits inside tensor data.
+    """
+    if not path.is_dir():
+        return path, "does not exist or is not a directory"
+    if not (path / "config.json").is_file():
+        return path / "config.json", "is missing"
+    for file in sorted(path.glob("*.json")):
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:  # ValueError covers bad JSON and bad UTF-8
+            return file, f"is not valid JSON ({error})"
+    weights = sorted(path.glob("*.safetensors"))
+    for file in weights:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                handle.keys()
+        except (SafetensorError, OSError) as error:
+            return file, f"is damaged or truncated ({error})"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))  # parsed above: valid JSON
+        shards = sorted(set(weight_map.get("weight_map", {}).values())) if isinstance(weight_map, dict) else []
+        absent = [name for name in shards if not (path / name).is_file()]
+        if absent:
+            return index, f"names shards that are missing ({', '.join(absent)})"
+    if not weights and not any(path.glob("*.bin")):
+        return path, "holds no weights (no *.safetensors or *.bin file)"
+    return None
+
+
+def check_model_dir(path: str | Path, *, field: str = "model path") -> Path:
+    """`path` as a Path, or a ValueError naming `field`, the file and the fix (see model_dir_problem).
+
+    Called before anything loads from the directory: the tokenizer loader, given a path that does not exist,
+    would take it for a Hub repo id and fail with an OSError about the Hub.
+    """
+    path = Path(path)
+    problem = model_dir_problem(path)
+    if problem is None:
+        return path
+    file, what = problem
+    if file == path and not path.is_dir():
+        raise ValueError(
+            f"{field} {str(path)!r} does not exist: it must be a local directory holding config.json and the "
+            "weights, written by save_pretrained (models are never downloaded; for a Hub model, download it "
+            "first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`, and pass DIR)"
+        )
+    name = "the directory" if file == path else file.name
+    raise ValueError(f"{field} {str(path)!r}: {name} {what}; restore it from a backup or save the model again "
+                     "with save_pretrained")

@@ -144,3 +144,26 @@ def test_bad_paths_and_arguments(tmp_path):
     (tmp_path / "fake.parquet").write_text("not parquet")
     with pytest.raises(ValueError, match="not a readable parquet file"):
         load_prompts(tmp_path / "fake.parquet")
+
+
+@pytest.mark.parametrize("compression", ["none", "snappy"])
+def test_parquet_with_damaged_pages_names_the_file_and_rows(tmp_path, compression):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "damaged.parquet"
+    rows = [{"prompt": f"What is {i}+{i}?", "ground_truth": str(2 * i)} for i in range(300)]
+    pq.write_table(pa.Table.from_pylist(rows), path, compression=compression, row_group_size=100,
+                   use_dictionary=False)
+    group = pq.ParquetFile(path).metadata.row_group(1)
+    columns = [group.column(c) for c in range(group.num_columns)]
+    start = min(c.data_page_offset for c in columns)
+    end = max(c.data_page_offset + c.total_compressed_size for c in columns)
+    data = bytearray(path.read_bytes())
+    data[start:end] = b"\xff" * (end - start)  # the pages of row group 1; the footer is left intact
+    path.write_bytes(bytes(data))
+    assert pq.ParquetFile(path).metadata.num_rows == 300, "the footer must still open"
+    for on_bad_row in ("error", "skip"):  # a lost page is not one bad row: an error either way
+        with pytest.raises(ValueError, match=r"damaged\.parquet: rows 100-199 \(row group 1\) are unreadable.*"
+                                             r"re-export"):
+            load_prompts(path, on_bad_row=on_bad_row)

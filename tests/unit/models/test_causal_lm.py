@@ -41,3 +41,27 @@ def test_bad_arguments_name_the_problem(tmp_path):
         load_model(tmp_path / "missing")
     with pytest.raises(ValueError, match="float64x"):
         resolve_dtype("float64x")
+
+
+def test_a_missing_model_path_is_named_before_any_hub_lookup(tmp_path):
+    from flashreinforce.cli.train import build_policy
+    from flashreinforce.config import load_config
+
+    missing = tmp_path / "no-such-model"
+    config = load_config(None, [f"model.path={missing}"])
+    # Before the fix the tokenizer loader ran first and raised an OSError about a Hub repo id.
+    with pytest.raises(ValueError, match=rf"model\.path '{missing}' does not exist: it must be a local directory"):
+        build_policy(config, None, tmp_path / "run", None)
+
+
+def test_a_model_dir_with_a_damaged_file_names_the_file(tmp_path):
+    build_model(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, seed=0).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[: len(intact) - 100])
+    with pytest.raises(ValueError, match=r"model\.safetensors is damaged or truncated .*; restore it"):
+        load_model(tmp_path)
+    weights.write_bytes(intact)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2",')
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        load_model(tmp_path)
