@@ -54,18 +54,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashreinforce.buffer import build_scheduler, scheduler_options
-from flashreinforce.cli.console import Reporter
-from flashreinforce.cli.train import (Data, build_engine, build_policy, load_data, seed_everything,
-                                     start_trainer)
 from flashreinforce.config import RunConfig, load_config
-from flashreinforce.controller.local import LocalBackend
 from flashreinforce.controller.loop import LoopSettings, RLLoop
-from flashreinforce.data.order import PromptOrder
-from flashreinforce.envs.single_turn import TextEpisodes
+from flashreinforce.metrics.console import Reporter
 from flashreinforce.rollout.engine import Engine
-from flashreinforce.types import SamplingParams, Trajectory
-from flashreinforce.verifiers.pool import VerifierPool
+from flashreinforce.run.backends import build_backend, build_episodes, build_verifier_pool
+from flashreinforce.run.data import Data, load_data
+from flashreinforce.run.engines import EngineShape, build_engine, longest_rendered, rollout_params
+from flashreinforce.run.learner import start_trainer
+from flashreinforce.run.policy import build_policy, seed_everything
+from flashreinforce.run.scheduling import build_run_scheduler
+from flashreinforce.types import Trajectory
 
 # `flashreinforce bench` runs this file with runpy, which does not put its directory on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -213,29 +212,18 @@ async def run_kind(kind: str, config: RunConfig, data: Data, warm_dir: Path) -> 
     """One RL run of `kind` from the cached warm start; returns what every step trained, and when."""
     setup_started = time.perf_counter()
     seed_everything(config.seed)
-    tokenizer, model = build_policy(config, data, warm_dir, Reporter(enabled=False))
-    episodes = TextEpisodes(tokenizer)
-    trainer = start_trainer(config, model, tokenizer)
-    engine = build_engine(model, tokenizer, max_batch_size=config.rollout.max_batch_size,
-                          max_new_tokens=config.rollout.max_new_tokens,
-                          longest_prompt=max(len(episodes.prompt_ids(p)) for p in data.train),
-                          seed=config.seed, version=0)
-    order = PromptOrder(data.train, seed=config.data.shuffle_seed)
-    schedule = config.scheduler
-    scheduler = build_scheduler(kind, prompt_at=order.__getitem__, batch_groups=schedule.batch_groups,
-                                group_size=schedule.group_size,
-                                **{name: getattr(schedule, name) for name in scheduler_options(kind)})
-    pool = VerifierPool([config.verifier.reward_fn], timeout_s=config.verifier.timeout_s,
-                        min_workers=config.verifier.min_workers, max_workers=config.verifier.max_workers)
+    # The run layer's builders, as `flashreinforce train` uses them, minus checkpoints and evaluation.
+    policy = build_policy(config, data, warm_dir, Reporter(enabled=False))
+    episodes = build_episodes(config, policy.tokenizer)
+    trainer = start_trainer(config, policy)
+    engine = build_engine(config, policy, EngineShape(longest_rendered(episodes, data.train),
+                                                      config.rollout.max_new_tokens, version=0, seed=config.seed))
+    scheduler = build_run_scheduler(config, data.train, kind=kind)
+    pool = build_verifier_pool(config)
     pool.score_sync("", data.train[0])  # the worker's start-up (imports) is not the scheduler's cost
-    backend = LocalBackend(engine, trainer, pool, tokenizer, overlap=True)
-    rollout = config.rollout
-    settings = LoopSettings(
-        total_steps=config.trainer.steps,
-        sampling=SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                                top_k=rollout.top_k, top_p=rollout.top_p),
-        seed=config.seed, checkpoint_every=0, eval_every=0, overlap=True,
-    )
+    backend = build_backend(config, engine, trainer, pool, policy.tokenizer)
+    settings = LoopSettings(total_steps=config.trainer.steps, sampling=rollout_params(config), seed=config.seed,
+                            checkpoint_every=0, eval_every=0, overlap=True)
     result = KindRun(kind, max_lag=config.scheduler.max_staleness)
     started = time.perf_counter()
     loop = RLLoop(backend, scheduler, episodes, settings,

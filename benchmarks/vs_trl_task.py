@@ -158,27 +158,20 @@ class HeldOut:
     """
 
     def __init__(self, model: Any, tokenizer: Any, config: Any, prompts: list[Any], seed: int) -> None:
-        from flashreinforce.cli.train import build_engine
         from flashreinforce.controller.local import LocalBackend
-        from flashreinforce.envs.single_turn import TextEpisodes
-        from flashreinforce.types import SamplingParams
-        from flashreinforce.verifiers.pool import VerifierPool
+        from flashreinforce.run.backends import build_episodes, build_verifier_pool
+        from flashreinforce.run.engines import EngineShape, build_engine, eval_params, longest_rendered
+        from flashreinforce.run.policy import Policy
 
-        self.episodes = TextEpisodes(tokenizer)
+        self.episodes = build_episodes(config, tokenizer)
         self.prompts = prompts
         self.seed = seed
         self.k = config.eval.k
-        # The same parameters our training run gives its held-out evaluation (cli/train.py).
-        self.params = SamplingParams(max_new_tokens=config.rollout.max_new_tokens,
-                                     temperature=config.eval.temperature, top_p=config.eval.top_p)
-        self.engine = build_engine(model, tokenizer, max_batch_size=config.rollout.max_batch_size,
-                                   max_new_tokens=config.rollout.max_new_tokens,
-                                   longest_prompt=max(len(self.episodes.prompt_ids(p)) for p in prompts),
-                                   seed=seed, version=0)
-        verifier = config.verifier
-        self.pool = VerifierPool([verifier.reward_fn], timeout_s=verifier.timeout_s,
-                                 min_workers=verifier.min_workers, max_workers=verifier.max_workers,
-                                 memory_limit_mb=verifier.memory_limit_mb)
+        self.params = eval_params(config)  # what our training run gives its held-out evaluation (run/hooks.py)
+        shape = EngineShape(longest_rendered(self.episodes, prompts), config.rollout.max_new_tokens, version=0,
+                            seed=seed)
+        self.engine = build_engine(config, Policy(tokenizer, model), shape)
+        self.pool = build_verifier_pool(config)
         self.backend = LocalBackend(self.engine, None, self.pool, tokenizer, overlap=False)
 
     def __call__(self, model: Any, version: int) -> float:

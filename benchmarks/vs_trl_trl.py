@@ -22,7 +22,8 @@ from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from vs_trl_task import RECIPES, EvalPoint, HeldOut, WorkerSpec, task_overrides
 
-from flashreinforce.cli.train import load_data, seed_everything
+from flashreinforce.run.data import load_data
+from flashreinforce.run.policy import seed_everything
 from flashreinforce.config import load_config
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.models import load_model

@@ -29,8 +29,9 @@ def _split_recipe(items: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from flashreinforce.cli.train import read_run_config, run_training
     from flashreinforce.config import config_from_tree, dump_config, load_config
+    from flashreinforce.run import run_training
+    from flashreinforce.run.directory import read_run_config
 
     recipe, overrides = _split_recipe(args.items)
     if args.deterministic:
@@ -48,28 +49,19 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _sft(args: argparse.Namespace) -> None:
-    from flashreinforce.cli.train import sft_only
     from flashreinforce.config import load_config
+    from flashreinforce.run import sft_only
 
     recipe, overrides = _split_recipe(args.items)
     sft_only(load_config(recipe, overrides), args.output)
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from flashreinforce.cli.evaluate import evaluate_checkpoint
+    from flashreinforce.run import EvalRequest, evaluate_checkpoint
 
-    evaluate_checkpoint(
-        args.checkpoint,
-        data=args.data,
-        recipe=args.recipe,
-        k=args.k,
-        num_prompts=args.num_prompts,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        json_path=args.json,
-    )
+    evaluate_checkpoint(EvalRequest(args.checkpoint, data=args.data, recipe=args.recipe, k=args.k,
+                                    num_prompts=args.num_prompts, temperature=args.temperature, top_p=args.top_p,
+                                    max_new_tokens=args.max_new_tokens, seed=args.seed, json_path=args.json))
 
 
 def _plot(args: argparse.Namespace) -> None:
@@ -82,17 +74,10 @@ def _plot(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace) -> None:
     import subprocess
 
-    scripts = Path(__file__).resolve().parents[2] / "benchmarks"
-    # A benchmark is a script there that runs as __main__ (helper modules beside them are not).
-    runnable = {p.stem.replace("_", "-"): p for p in sorted(scripts.glob("*.py"))
-                if 'if __name__ == "__main__":' in p.read_text()} if scripts.is_dir() else {}
-    script = runnable.get(args.name)
-    if script is None:
-        known = sorted(runnable)
-        raise ValueError(f"no benchmark {args.name!r}" + (f"; available: {', '.join(known)}" if known else
-                         " (benchmarks ship with a source checkout, not the installed package)"))
+    from flashreinforce.run.bench import find_benchmark
+
     # A fresh interpreter, as `python benchmarks/NAME.py` would be: the benchmark owns its threads and memory.
-    raise SystemExit(subprocess.call([sys.executable, str(script), *args.rest]))
+    raise SystemExit(subprocess.call([sys.executable, str(find_benchmark(args.name)), *args.rest]))
 
 
 def build_parser() -> argparse.ArgumentParser:

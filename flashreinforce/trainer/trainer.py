@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,75 +104,56 @@ class Trainer:
         # changes nothing but float rounding.
         trajectories = sorted(trajectories, key=lambda t: len(t.tokens))
         batch = collate(trajectories, self.pad_token_id)
-        rewards = batch.rewards
-        # The generated length, not the trained one: april's mask_offpolicy un-trains a resumed row's prefix.
-        response_lengths = batch.response_lengths  # (B,)
-        if self.overlong is not None:
-            rewards = rewards + overlong_penalty(
-                response_lengths, max_length=self.overlong.max_length, cache_length=self.overlong.cache
-            )
-        advantages = self.spec.advantages(rewards, batch.group_ids, batch.loss_mask.sum(dim=1),
-                                          **self.advantage_options)  # (B,) over the whole batch
-        norm = GlobalNorm(
-            num_sequences=batch.num_rows,
-            num_tokens=int(batch.loss_mask.sum()),
-            reward_mean=float(rewards.mean()),
-            max_new_tokens=self.max_new_tokens,
-        )
+        targets = self._targets(batch)
         self.model.train()
         self.model.zero_grad(set_to_none=True)  # the model's, not only the masters': a failed step's bf16 grads
-        per_row: dict[str, list[torch.Tensor]] = {}  # (b,) stats: concatenated, then averaged over rows
-        scalars: dict[str, float] = {}  # scalar stats are each slice's share of the batch figure: summed
-        token_sums = {"entropy": 0.0, "abs_mismatch": 0.0, "k3_mismatch": 0.0}
-        total_loss = 0.0
-        wpsm_flagged = 0
-        padded_cells = 0  # (rows x width) actually fed to the model, summed over microbatches
-        group_accuracy = _group_accuracy(batch) if self.wpsm is not None else None
+        tally = _Tally()
         for start, micro in batch.microbatches(self.microbatch_size, self.microbatch_tokens):
-            rows = slice(start, start + micro.num_rows)
-            padded_cells += micro.attention_mask.numel()
-            logprobs, entropies = token_logprobs(
-                self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature, with_entropy=True
-            )
-            entropies = entropies.detach()
-            weights = None
-            if self.wpsm is not None:
-                flags = wpsm_flags(
-                    mean_token_entropy(entropies, micro.loss_mask),
-                    group_accuracy[rows],
-                    advantages[rows],
-                    entropy_bound=self.wpsm.eta,
-                    accuracy_threshold=self.wpsm.tau,
-                    positive_only=self.wpsm.positive_only,
-                )
-                weights = wpsm_weights(flags, self.wpsm.alpha)
-                wpsm_flagged += int(flags.sum())
-            inputs = LossInputs(
-                policy_logprobs=logprobs,
-                old_logprobs=logprobs.detach(),
-                behavior_logprobs=micro.behavior_logprobs,
-                loss_mask=micro.loss_mask,
-                advantages=advantages[rows],
-                rewards=rewards[rows],
-                entropies=entropies,
-                failures=micro.failures,
-                modalities=micro.modalities,
-                sequence_weights=weights,
-            )
-            loss, stats = self.spec.objective(inputs, norm, **self.loss_options)
-            loss.backward()
-            total_loss += float(loss.detach())
-            for name, value in stats.items():
-                if value.dim() == 0:
-                    scalars[name] = scalars.get(name, 0.0) + float(value)
-                else:
-                    per_row.setdefault(name, []).append(value.detach().float())
-            mask = micro.loss_mask
-            gap = (logprobs.detach() - micro.behavior_logprobs).masked_fill(~mask, 0.0)
-            token_sums["entropy"] += float(entropies.masked_fill(~mask, 0.0).sum())
-            token_sums["abs_mismatch"] += float(gap.abs().sum())
-            # k3 estimator of KL(behavior || policy) per token: exp(d) - d - 1 with d = log pi - log mu
-            token_sums["k3_mismatch"] += float((torch.expm1(gap) - gap).sum())
+            self._backward(micro, slice(start, start + micro.num_rows), targets, tally)
+        grad_norm, lr = self._optimizer_step()
+        metrics = {"optim/grad_norm": grad_norm, "optim/lr": lr, **_batch_metrics(batch, trajectories, targets),
+                   **tally.metrics(targets.norm.num_tokens), "time/train_seconds": time.perf_counter() - started}
+        if self.wpsm is not None:
+            metrics["wpsm/flagged_fraction"] = tally.wpsm_flagged / batch.num_rows
+        metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
+        return metrics
+
+    def _targets(self, batch: TrainBatch) -> _Targets:
+        """What the loss needs from the WHOLE batch, before it is split: shaped rewards, advantages, normalizers."""
+        rewards = batch.rewards
+        if self.overlong is not None:
+            # The generated length, not the trained one: april's mask_offpolicy un-trains a resumed row's prefix.
+            rewards = rewards + overlong_penalty(batch.response_lengths, max_length=self.overlong.max_length,
+                                                 cache_length=self.overlong.cache)
+        advantages = self.spec.advantages(rewards, batch.group_ids, batch.loss_mask.sum(dim=1),
+                                          **self.advantage_options)  # (B,)
+        norm = GlobalNorm(num_sequences=batch.num_rows, num_tokens=int(batch.loss_mask.sum()),
+                          reward_mean=float(rewards.mean()), max_new_tokens=self.max_new_tokens)
+        group_accuracy = _group_accuracy(batch) if self.wpsm is not None else None
+        return _Targets(rewards, advantages, norm, group_accuracy)
+
+    def _backward(self, micro: TrainBatch, rows: slice, targets: _Targets, tally: _Tally) -> None:
+        """Forward and backward of one microbatch: its share of the batch loss, gradients accumulated."""
+        logprobs, entropies = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
+                                             temperature=self.temperature, with_entropy=True)
+        entropies = entropies.detach()
+        weights = None
+        if self.wpsm is not None:
+            flags = wpsm_flags(mean_token_entropy(entropies, micro.loss_mask), targets.group_accuracy[rows],
+                               targets.advantages[rows], entropy_bound=self.wpsm.eta,
+                               accuracy_threshold=self.wpsm.tau, positive_only=self.wpsm.positive_only)
+            weights = wpsm_weights(flags, self.wpsm.alpha)
+            tally.wpsm_flagged += int(flags.sum())
+        inputs = LossInputs(policy_logprobs=logprobs, old_logprobs=logprobs.detach(),
+                            behavior_logprobs=micro.behavior_logprobs, loss_mask=micro.loss_mask,
+                            advantages=targets.advantages[rows], rewards=targets.rewards[rows], entropies=entropies,
+                            failures=micro.failures, modalities=micro.modalities, sequence_weights=weights)
+        loss, stats = self.spec.objective(inputs, targets.norm, **self.loss_options)
+        loss.backward()
+        tally.add(micro, loss, stats, logprobs.detach(), entropies)
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Clip, step and advance the schedule; returns (grad norm before clipping, lr of this step)."""
         self.masters.grads_to_masters()  # clip, report and step in fp32
         grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.params, self.grad_clip)
         if not torch.isfinite(grad_norm):
@@ -184,39 +165,7 @@ class Trainer:
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        tokens = max(norm.num_tokens, 1)
-        metrics = {
-            "loss/policy": total_loss,
-            "optim/grad_norm": float(grad_norm),
-            "optim/lr": lr,
-            "reward/mean": float(batch.rewards.mean()),
-            "reward/shaped_mean": float(rewards.mean()),
-            "reward/accuracy": float((~batch.failures).float().mean()),
-            "advantage/mean": float(advantages.mean()),
-            "advantage/abs_mean": float(advantages.abs().mean()),
-            "advantage/zero_fraction": float((advantages == 0).float().mean()),
-            "entropy/mean": token_sums["entropy"] / tokens,
-            "mismatch/abs_logprob_diff": token_sums["abs_mismatch"] / tokens,
-            "mismatch/k3_kl": token_sums["k3_mismatch"] / tokens,
-            "response/length_mean": float(response_lengths.float().mean()),
-            "response/length_max": float(response_lengths.max()),
-            "response/truncated_fraction": sum(t.finish_reason == "length" for t in trajectories) / len(trajectories),
-            "batch/rows": float(batch.num_rows),
-            "batch/policy_tokens": float(norm.num_tokens),
-            "batch/padding_fraction": 1.0 - float(batch.attention_mask.sum()) / padded_cells,
-            "time/train_seconds": time.perf_counter() - started,
-        }
-        if self.wpsm is not None:
-            metrics["wpsm/flagged_fraction"] = wpsm_flagged / batch.num_rows
-        hinted = [t.hint_length for t in trajectories if t.hint_length]
-        if hinted:
-            metrics["hints/hinted_fraction"] = len(hinted) / len(trajectories)
-            metrics["hints/mean_tokens"] = sum(hinted) / len(hinted)
-        metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
-        for name, chunks in per_row.items():
-            metrics[f"loss/{name}"] = float(torch.cat(chunks).mean())
-        metrics.update({f"loss/{name}": value for name, value in scalars.items()})
-        return metrics
+        return float(grad_norm), lr
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's weights (what the engine loads at a push)."""
@@ -246,6 +195,80 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.version = int(state["version"])
+
+
+@dataclass(frozen=True, eq=False)
+class _Targets:
+    rewards: torch.Tensor  # (B,) task reward + shaping
+    advantages: torch.Tensor  # (B,)
+    norm: GlobalNorm
+    group_accuracy: torch.Tensor | None  # (B,) for WPSM
+
+
+@dataclass
+class _Tally:
+    """Sums over the microbatches of one step."""
+
+    loss: float = 0.0
+    per_row: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # (b,) stats: concatenated, then averaged
+    scalars: dict[str, float] = field(default_factory=dict)  # each slice's share of a batch figure: summed
+    entropy: float = 0.0
+    abs_mismatch: float = 0.0
+    k3_mismatch: float = 0.0
+    wpsm_flagged: int = 0
+    padded_cells: int = 0
+    """(rows x width) actually fed to the model."""
+    real_cells: int = 0
+
+    def add(self, micro: TrainBatch, loss: torch.Tensor, stats: Mapping[str, torch.Tensor], logprobs: torch.Tensor,
+            entropies: torch.Tensor) -> None:
+        self.loss += float(loss.detach())
+        self.padded_cells += micro.attention_mask.numel()
+        self.real_cells += int(micro.attention_mask.sum())
+        for name, value in stats.items():
+            if value.dim() == 0:
+                self.scalars[name] = self.scalars.get(name, 0.0) + float(value)
+            else:
+                self.per_row.setdefault(name, []).append(value.detach().float())
+        mask = micro.loss_mask
+        gap = (logprobs - micro.behavior_logprobs).masked_fill(~mask, 0.0)
+        self.entropy += float(entropies.masked_fill(~mask, 0.0).sum())
+        self.abs_mismatch += float(gap.abs().sum())
+        # k3 estimator of KL(behavior || policy) per token: exp(d) - d - 1 with d = log pi - log mu
+        self.k3_mismatch += float((torch.expm1(gap) - gap).sum())
+
+    def metrics(self, num_tokens: int) -> dict[str, float]:
+        tokens = max(num_tokens, 1)
+        metrics = {"loss/policy": self.loss, "entropy/mean": self.entropy / tokens,
+                   "mismatch/abs_logprob_diff": self.abs_mismatch / tokens, "mismatch/k3_kl": self.k3_mismatch / tokens,
+                   "batch/padding_fraction": 1.0 - self.real_cells / self.padded_cells}
+        for name, chunks in self.per_row.items():
+            metrics[f"loss/{name}"] = float(torch.cat(chunks).mean())
+        metrics.update({f"loss/{name}": value for name, value in self.scalars.items()})
+        return metrics
+
+
+def _batch_metrics(batch: TrainBatch, trajectories: Sequence[Trajectory], targets: _Targets) -> dict[str, float]:
+    """Rewards, advantages, lengths and hints of the learner batch."""
+    lengths, advantages = batch.response_lengths, targets.advantages
+    metrics = {
+        "reward/mean": float(batch.rewards.mean()),
+        "reward/shaped_mean": float(targets.rewards.mean()),
+        "reward/accuracy": float((~batch.failures).float().mean()),
+        "advantage/mean": float(advantages.mean()),
+        "advantage/abs_mean": float(advantages.abs().mean()),
+        "advantage/zero_fraction": float((advantages == 0).float().mean()),
+        "response/length_mean": float(lengths.float().mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_fraction": sum(t.finish_reason == "length" for t in trajectories) / len(trajectories),
+        "batch/rows": float(batch.num_rows),
+        "batch/policy_tokens": float(targets.norm.num_tokens),
+    }
+    hinted = [t.hint_length for t in trajectories if t.hint_length]
+    if hinted:
+        metrics["hints/hinted_fraction"] = len(hinted) / len(trajectories)
+        metrics["hints/mean_tokens"] = sum(hinted) / len(hinted)
+    return metrics
 
 
 def _group_accuracy(batch: TrainBatch) -> torch.Tensor:

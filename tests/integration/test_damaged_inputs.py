@@ -5,7 +5,8 @@ import pytest
 
 from flashreinforce.buffer import Ledger
 from flashreinforce.cli import main
-from flashreinforce.cli.train import read_run_config, run_training
+from flashreinforce.run import run_training
+from flashreinforce.run.directory import read_run_config
 from flashreinforce.config import load_config
 from flashreinforce.models import build_char_tokenizer, build_model
 from flashreinforce.trainer.checkpoint import latest_checkpoint, load_states

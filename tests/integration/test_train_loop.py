@@ -5,7 +5,7 @@ import json
 import pytest
 
 from flashreinforce.cli import main
-from flashreinforce.cli.train import run_training
+from flashreinforce.run import run_training
 from flashreinforce.config import load_config
 from flashreinforce.trainer.checkpoint import latest_checkpoint, load_states
 

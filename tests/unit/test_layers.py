@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flashreinforce"
 # Lower rank = lower layer. A module may import its own layer and the layers below it, never above.
 RANK = {
     "types": 0, "lifetime": 0, "algorithms": 1, "models": 2, "rollout": 3, "data": 4, "envs": 4, "verifiers": 5, "buffer": 6,
-    "trainer": 7, "controller": 8, "eval": 9, "metrics": 9, "config": 9, "cli": 10, "__init__": 10, "__main__": 10,
+    "trainer": 7, "controller": 8, "eval": 9, "metrics": 9, "config": 9, "run": 10, "cli": 11, "__init__": 11,
+    "__main__": 11,
 }
 # Siblings that must not see each other even though their ranks would allow it.
 FORBIDDEN = {("buffer", "verifiers"), ("buffer", "envs"), ("buffer", "data"), ("buffer", "rollout"),
@@ -65,3 +66,30 @@ def test_light_imports_stay_light():
     code = ("import sys, flashreinforce, flashreinforce.metrics.plots, flashreinforce.types, "
             "flashreinforce.config; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+CLI_MAY_IMPORT = ("flashreinforce.config", "flashreinforce.run", "flashreinforce.metrics.plots")
+
+
+def test_the_cli_only_parses_arguments_and_calls_the_run_layer():
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        for name in _imports(path):
+            if name.startswith("flashreinforce"):
+                assert name.startswith(CLI_MAY_IMPORT), f"cli/{path.name} imports {name}: assembly belongs in run/"
+
+
+def _function_lengths():
+    """(where, lines) of every function in the package, its docstring not counted."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = node.body[0]
+                docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str)
+                lines = node.end_lineno - node.lineno + 1 - ((first.end_lineno - first.lineno + 1) if docstring else 0)
+                yield f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}", lines
+
+
+def test_no_function_is_over_80_lines():
+    long = {where: lines for where, lines in _function_lengths() if lines > 80}
+    assert not long, f"split these into functions with one job each: {long}"

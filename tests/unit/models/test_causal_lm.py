@@ -44,7 +44,7 @@ def test_bad_arguments_name_the_problem(tmp_path):
 
 
 def test_a_missing_model_path_is_named_before_any_hub_lookup(tmp_path):
-    from flashreinforce.cli.train import build_policy
+    from flashreinforce.run.policy import build_policy
     from flashreinforce.config import load_config
 
     missing = tmp_path / "no-such-model"

@@ -1,0 +1,91 @@
+"""Rollout engines by `rollout.engine`, and what a run asks of them (context, sampling parameters).
+
+An engine builder takes the config, the policy and an EngineShape and returns an engine with its own copy
+of the weights. Adding an engine is adding a builder to ENGINES.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from flashreinforce.config import RunConfig
+from flashreinforce.envs.hints import longest_hinted_prompt
+from flashreinforce.envs.single_turn import TextEpisodes
+from flashreinforce.rollout.engine import Engine
+from flashreinforce.run.data import Data
+from flashreinforce.run.policy import Policy
+from flashreinforce.types import Prompt, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    longest_prompt: int
+    """Tokens the context must hold before the generation budget (AHRL hints included)."""
+    max_new_tokens: int
+    version: int
+    """Policy version of the weights it starts with."""
+    seed: int
+
+    @property
+    def context(self) -> int:
+        return self.longest_prompt + self.max_new_tokens
+
+
+def build_local_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> Engine:
+    """The embedded engine over a copy of the model: its context is what the data actually needs."""
+    limit = getattr(policy.model.config, "max_position_embeddings", shape.context)
+    if shape.context > limit:
+        raise ValueError(f"prompts of up to {shape.longest_prompt} tokens (AHRL hints included) plus "
+                         f"max_new_tokens={shape.max_new_tokens} need {shape.context} positions but the model has "
+                         f"{limit}; lower rollout.max_new_tokens or algo.hints.p_initial, or use a model with a "
+                         "longer context")
+    tokenizer = policy.tokenizer
+    return Engine(copy.deepcopy(policy.model), max_batch_size=config.rollout.max_batch_size,
+                  max_context=shape.context, eos_token_ids=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, version=shape.version, seed=shape.seed)
+
+
+ENGINES: dict[str, Callable[[RunConfig, Policy, EngineShape], Engine]] = {
+    "local": build_local_engine,
+}
+
+
+def build_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> Engine:
+    return engine_builder(config)(config, policy, shape)
+
+
+def engine_builder(config: RunConfig) -> Callable[[RunConfig, Policy, EngineShape], Engine]:
+    if config.rollout.engine not in ENGINES:
+        raise ValueError(f"rollout.engine={config.rollout.engine} is not available in this build yet; "
+                         f"use one of {sorted(ENGINES)}")
+    return ENGINES[config.rollout.engine]
+
+
+def longest_prompt(config: RunConfig, episodes: TextEpisodes, data: Data) -> int:
+    """Tokens the engine's context must hold before the generation budget: AHRL hints included, so a hinted
+    rollout still gets rollout.max_new_tokens new tokens."""
+    longest = longest_rendered(episodes, [*data.train, *data.eval])
+    hints = config.algo.hints
+    if hints is None:
+        return longest
+    return max(longest, longest_hinted_prompt(episodes, data.train, p_initial=hints.p_initial,
+                                              think_open=hints.think_open))
+
+
+def longest_rendered(episodes: TextEpisodes, prompts: Sequence[Prompt]) -> int:
+    return max(len(episodes.prompt_ids(p)) for p in prompts)
+
+
+def rollout_params(config: RunConfig) -> SamplingParams:
+    """Sampling of training rollouts; each request gets its own seed from the loop."""
+    rollout = config.rollout
+    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                          top_k=rollout.top_k, top_p=rollout.top_p)
+
+
+def eval_params(config: RunConfig, max_new_tokens: int | None = None) -> SamplingParams:
+    """Sampling of held-out evaluation (eval.temperature / eval.top_p, the rollout's budget by default)."""
+    return SamplingParams(max_new_tokens=max_new_tokens or config.rollout.max_new_tokens,
+                          temperature=config.eval.temperature, top_p=config.eval.top_p)

@@ -1,0 +1,87 @@
+"""`flashreinforce eval`: avg@k and unbiased pass@k of a saved model, per data_source, on a fresh engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashreinforce.config import config_from_tree, load_config
+from flashreinforce.controller.local import LocalBackend
+from flashreinforce.data.loaders import load_prompts
+from flashreinforce.eval.evaluate import evaluate
+from flashreinforce.models.causal_lm import model_dir_problem
+from flashreinforce.run.backends import build_episodes, build_verifier_pool
+from flashreinforce.run.data import load_data
+from flashreinforce.run.directory import read_run_config
+from flashreinforce.run.engines import EngineShape, build_engine, longest_rendered
+from flashreinforce.run.policy import load_policy
+from flashreinforce.trainer.checkpoint import latest_checkpoint
+from flashreinforce.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """What to evaluate and how; None fields take the run's (or the recipe's) config."""
+
+    path: Path
+    """A run directory, a checkpoints/step_* directory, or a Hugging Face model directory."""
+    data: Path | None = None
+    recipe: str | None = None
+    k: int = 4
+    num_prompts: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None
+    seed: int = 0
+    json_path: Path | None = None
+
+
+def resolve_model_dir(path: Path) -> tuple[Path, Path | None]:
+    """(model directory, run directory or None) for a run dir, a checkpoints/step_* dir or a model dir."""
+    if (path / "config.yaml").is_file():  # a run directory: its latest checkpoint, else its warm start
+        checkpoint = latest_checkpoint(path / "checkpoints")
+        model_dir = checkpoint / "model" if checkpoint is not None else path / "sft"
+        return model_dir, path
+    if (path / "model" / "config.json").is_file():  # checkpoints/step_N
+        run_dir = path.parent.parent
+        return path / "model", run_dir if (run_dir / "config.yaml").is_file() else None
+    if (path / "config.json").is_file():
+        run_dir = path.parent
+        return path, run_dir if (run_dir / "config.yaml").is_file() else None
+    raise ValueError(f"{path} is not a run directory, a checkpoint directory or a Hugging Face model directory")
+
+
+def evaluate_checkpoint(request: EvalRequest) -> dict:
+    """Score the model `request.path` names; prints one line and returns the report as a dict."""
+    model_dir, run_dir = resolve_model_dir(Path(request.path))
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir} holds no model yet (the run has no checkpoint and no warm start)")
+    problem = model_dir_problem(model_dir)  # checked before the tokenizer: a damaged file is named, not a traceback
+    if problem is not None:
+        raise ValueError(f"cannot evaluate {model_dir}: {problem[0].name} {problem[1]}; restore it from a backup, "
+                         "or evaluate an older checkpoint (pass its checkpoints/step_* directory)")
+    config = config_from_tree(read_run_config(run_dir)) if run_dir is not None else load_config(request.recipe)
+    prompts = load_prompts(request.data).prompts if request.data is not None else load_data(config).eval
+    prompts = prompts[: request.num_prompts or config.eval.num_prompts]
+    params = SamplingParams(max_new_tokens=request.max_new_tokens or config.rollout.max_new_tokens,
+                            temperature=request.temperature, top_p=request.top_p)
+    policy = load_policy(model_dir, dtype=config.model.dtype)
+    episodes = build_episodes(config, policy.tokenizer)
+    engine = build_engine(config, policy, EngineShape(longest_rendered(episodes, prompts), params.max_new_tokens,
+                                                      version=0, seed=request.seed))
+
+    async def run() -> dict:
+        with build_verifier_pool(config) as pool:
+            backend = LocalBackend(engine, None, pool, policy.tokenizer, overlap=False)
+            report = await evaluate(backend, episodes, prompts, k=request.k, params=params, seed=request.seed)
+            await backend.close()
+        print(f"{model_dir}: {report.describe()}")
+        return {"model": str(model_dir), **report.metrics(), "k": request.k, "num_prompts": len(prompts),
+                "temperature": request.temperature, "top_p": request.top_p, "max_new_tokens": params.max_new_tokens}
+
+    result = asyncio.run(run())
+    if request.json_path is not None:
+        request.json_path.write_text(json.dumps(result, indent=2))
+    return result

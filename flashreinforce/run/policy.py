@@ -1,0 +1,93 @@
+"""The policy a run starts from: a Hugging Face model directory, a checkpoint, or the tiny model warm-started
+by SFT (cached in the run directory, so a resumed run does not redo it)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashreinforce.config import RunConfig
+from flashreinforce.data.arithmetic import ALPHABET, THINK_CLOSE, THINK_OPEN, render_target
+from flashreinforce.envs.single_turn import TextEpisodes
+from flashreinforce.metrics.console import Reporter
+from flashreinforce.models import build_char_tokenizer, build_model, load_model
+from flashreinforce.models.causal_lm import check_model_dir
+from flashreinforce.run.data import Data
+from flashreinforce.trainer.sft import sft_warm_start
+
+
+@dataclass(frozen=True)
+class Policy:
+    tokenizer: Any
+    model: Any
+    """A transformers PreTrainedModel: the trainer trains it, each engine gets its own copy."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_policy(path: str | Path, *, dtype: str, field: str = "model path") -> Policy:
+    """Tokenizer and model of a local Hugging Face directory (never the network)."""
+    from transformers import AutoTokenizer
+
+    # Checked first: the tokenizer loader takes a path that does not exist for a Hub repo id.
+    path = check_model_dir(path, field=field)
+    return Policy(AutoTokenizer.from_pretrained(path, local_files_only=True), load_model(path, dtype=dtype))
+
+
+def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporter) -> Policy:
+    """The policy at the start of RL: model.path, or the tiny model after its SFT warm start.
+
+    The warm start is saved to run_dir/sft/ once complete and reused from there.
+    """
+    if config.model.path is not None:
+        return load_policy(config.model.path, dtype=config.model.dtype, field="model.path")
+    sft_dir = run_dir / "sft"
+    if (sft_dir / "config.json").is_file():
+        reporter.note(f"warm start: reusing {sft_dir}")
+        return load_policy(sft_dir, dtype=config.model.dtype)
+    policy = tiny_policy(config)
+    if config.sft.steps:
+        warm_start(config, data, policy, reporter)
+    staging = run_dir / "sft.tmp"
+    policy.model.save_pretrained(staging, safe_serialization=True)
+    policy.tokenizer.save_pretrained(staging)
+    os.replace(staging, sft_dir)
+    return policy
+
+
+def tiny_policy(config: RunConfig) -> Policy:
+    """The arithmetic task's characters, one token each, plus the think tags as single special tokens; a small
+    Qwen2-style model of model.tiny's shape."""
+    tokenizer = build_char_tokenizer("".join(c for c in ALPHABET if c not in (THINK_OPEN, THINK_CLOSE)),
+                                     special_tokens=("<pad>", "<eos>", "<unk>", THINK_OPEN, THINK_CLOSE))
+    tiny = config.model.tiny
+    model = build_model(len(tokenizer), tiny.hidden_size, tiny.num_layers, tiny.num_heads,
+                        tiny.max_position_embeddings, pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id, dtype=config.model.dtype, seed=config.seed)
+    return Policy(tokenizer, model)
+
+
+def warm_start(config: RunConfig, data: Data, policy: Policy, reporter: Reporter) -> None:
+    """SFT on the task's worked traces, with sft.carry_drop of the carries dropped (an imperfect start)."""
+    tokenizer, episodes, rng = policy.tokenizer, TextEpisodes(policy.tokenizer), random.Random(config.seed)
+    examples = [(episodes.prompt_ids(item),
+                 [*tokenizer.encode(render_target(item, carry_drop=config.sft.carry_drop, rng=rng),
+                                    add_special_tokens=False), tokenizer.eos_token_id])
+                for item in data.train]
+    started = time.perf_counter()
+    with reporter.task("SFT warm start", total=config.sft.steps) as advance:
+        sft_warm_start(policy.model, examples, steps=config.sft.steps, batch_size=config.sft.batch_size,
+                       lr=config.sft.lr, seed=config.seed, pad_token_id=tokenizer.pad_token_id,
+                       on_step=lambda step, loss: advance(f"loss {loss:.3f}"))
+    reporter.note(f"warm start: {config.sft.steps} SFT steps in {time.perf_counter() - started:.0f} s")

@@ -1,0 +1,208 @@
+"""`flashreinforce train`: a whole RL run put together from a RunConfig.
+
+    data -> policy (model.path, the latest intact checkpoint, or the tiny model after SFT) -> engine,
+    scheduler, verifier pool, metrics sink, trainer, backend -> held-out eval -> RL loop with checkpoints
+    -> held-out eval -> summary.json, plots
+
+Each part comes from its own builder (engines.py, learner.py, scheduling.py, backends.py, hooks.py); this
+module only orders them and closes what it opened. `resume` continues a run from its newest intact
+checkpoint, with the same data order and its in-flight partial rollouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from flashreinforce.buffer import Scheduler
+from flashreinforce.config import RunConfig
+from flashreinforce.controller.backend import Backend
+from flashreinforce.controller.loop import LoopSettings, RLLoop
+from flashreinforce.envs.single_turn import TextEpisodes
+from flashreinforce.metrics.console import Reporter
+from flashreinforce.metrics.plots import plot_run
+from flashreinforce.metrics.sink import MetricsSink
+from flashreinforce.run.ahrl import build_hints
+from flashreinforce.run.backends import build_backend, build_episodes, build_verifier_pool, check_buildable
+from flashreinforce.run.data import Data, load_data
+from flashreinforce.run.directory import create_run_dir, read_json, write_json_atomic
+from flashreinforce.run.engines import EngineShape, build_engine, longest_prompt, rollout_params
+from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
+from flashreinforce.run.learner import start_trainer
+from flashreinforce.run.policy import Policy, build_policy, load_policy, seed_everything
+from flashreinforce.run.scheduling import build_run_scheduler
+from flashreinforce.trainer.checkpoint import newest_intact_checkpoint
+from flashreinforce.verifiers.pool import VerifierPool
+
+# Our own progress display is enough; transformers would add a bar for every checkpoint it writes.
+transformers.utils.logging.disable_progress_bar()
+
+
+def run_training(config: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
+                 reporter: Reporter | None = None) -> dict[str, Any]:
+    """Run (or resume) the job; returns the summary also written to run_dir/summary.json."""
+    check_buildable(config)
+    reporter = reporter or Reporter(enabled=config.log.progress)
+    if resume:
+        assert run_dir is not None, "resume needs the run directory"
+    else:
+        run_dir = create_run_dir(config, run_dir)
+    seed_everything(config.seed)
+    torch.set_num_threads(config.backend.torch_threads)
+    summary = asyncio.run(_train(config, run_dir, resume, reporter))
+    reporter.summary(summary, plot_run(run_dir))
+    return summary
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a run starts: the policy, and the saved states when it resumes from a checkpoint."""
+
+    policy: Policy
+    trainer_state: dict[str, Any] | None
+    controller_state: dict[str, Any] | None
+    wall_seconds: float
+    """Wall time the run had already spent before this start."""
+    checkpoint: Path | None
+
+    @property
+    def version(self) -> int:
+        return self.trainer_state["version"] if self.trainer_state else 0
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """Everything a run built, for the loop and the summary."""
+
+    config: RunConfig
+    run_dir: Path
+    data: Data
+    episodes: TextEpisodes
+    scheduler: Scheduler
+    pool: VerifierPool
+    sink: MetricsSink
+    trainer: Any
+    backend: Backend
+
+
+def starting_point(config: RunConfig, run_dir: Path, data: Data, resume: bool, reporter: Reporter) -> Start:
+    """The newest intact checkpoint's policy and states (damaged newer ones are set aside, with a warning),
+    else the run's initial policy."""
+    resumable = newest_intact_checkpoint(run_dir / "checkpoints", set_aside=True) if resume else None
+    if resumable is None:
+        return Start(build_policy(config, data, run_dir, reporter), None, None, 0.0, None)
+    for aside, reason in resumable.skipped:
+        reporter.warn(f"skipped a damaged checkpoint ({reason}), kept as {aside}; "
+                      f"resuming from {resumable.checkpoint}")
+    policy = load_policy(resumable.checkpoint / "model", dtype=config.model.dtype)
+    torch.set_rng_state(resumable.trainer_state["torch_rng"])
+    return Start(policy, resumable.trainer_state, resumable.controller_state, resumable.meta["wall_seconds"],
+                 resumable.checkpoint)
+
+
+def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resume: bool,
+               stack: contextlib.AsyncExitStack) -> RunParts:
+    """Build the run's parts; `stack` closes each one that was opened, whatever fails later."""
+    episodes = build_episodes(config, start.policy.tokenizer)
+    shape = EngineShape(longest_prompt(config, episodes, data), config.rollout.max_new_tokens, start.version,
+                        config.seed)
+    engine = build_engine(config, start.policy, shape)
+    scheduler = build_run_scheduler(config, data.train)
+    pool = stack.enter_context(build_verifier_pool(config))
+    sink = MetricsSink(run_dir, tensorboard=config.log.tensorboard, wandb=config.log.wandb,
+                       config=config.model_dump(mode="json"), resume_step=start.version if resume else None)
+    stack.callback(sink.close)
+    trainer = start_trainer(config, start.policy)
+    stack.callback(trainer.close)
+    backend = build_backend(config, engine, trainer, pool, start.policy.tokenizer)
+    stack.push_async_callback(backend.close)
+    if start.trainer_state is not None:
+        trainer.load_state_dict(start.trainer_state)
+    return RunParts(config, run_dir, data, episodes, scheduler, pool, sink, trainer, backend)
+
+
+async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Reporter) -> dict[str, Any]:
+    started = time.perf_counter()
+    data = load_data(config)
+    start = starting_point(config, run_dir, data, resume, reporter)
+    async with contextlib.AsyncExitStack() as stack:
+        parts = open_parts(config, run_dir, data, start, resume, stack)
+        held_out = HeldOut(config, parts.backend, parts.episodes, data.eval)
+        initial = await initial_evaluation(parts, held_out, reporter)
+        writer = CheckpointWriter(config, run_dir, parts.backend, parts.trainer,
+                                  clock=lambda: start.wall_seconds + time.perf_counter() - started)
+        progress = reporter.training(total=config.trainer.steps, completed=parts.trainer.version)
+        log = StepLog(config, parts.sink, parts.episodes, progress, initial["metrics"])
+        hints = await build_hints(config, run_dir, parts.backend, parts.episodes, data.train, reporter)
+        loop = RLLoop(parts.backend, parts.scheduler, parts.episodes, loop_settings(config), on_step=log,
+                      on_checkpoint=writer, evaluate=held_out.metrics, hints=hints, version=parts.trainer.version)
+        if start.controller_state is not None:
+            await loop.restore(start.controller_state)
+            reporter.note(f"resumed from {start.checkpoint} at step {parts.trainer.version} "
+                          f"with {len(start.controller_state['inflight'])} in-flight partial rollouts")
+        with progress:
+            await loop.run()
+        parts.scheduler.ledger.check()
+        final = await final_evaluation(parts, held_out, log.last_eval, reporter)
+        summary = summarize(parts, initial["metrics"], final, writer.clock())
+        write_json_atomic(run_dir / "summary.json", summary)
+        return summary
+
+
+def loop_settings(config: RunConfig) -> LoopSettings:
+    return LoopSettings(total_steps=config.trainer.steps, sampling=rollout_params(config), seed=config.seed,
+                        checkpoint_every=config.trainer.checkpoint_every, eval_every=config.eval.every,
+                        overlap=not config.deterministic, in_flight_updates=config.rollout.in_flight_updates)
+
+
+async def initial_evaluation(parts: RunParts, held_out: HeldOut, reporter: Reporter) -> dict[str, Any]:
+    """The held-out score before RL: measured once, kept in initial_eval.json for a resumed run."""
+    path = parts.run_dir / "initial_eval.json"
+    initial = read_json(path)
+    if initial is None:
+        with reporter.status("held-out evaluation before RL"):
+            report = await held_out.report()
+        initial = {"metrics": report.metrics(), "describe": report.describe()}
+        write_json_atomic(path, initial)
+        parts.sink.log(0, report.metrics())
+    reporter.note(f"before RL: {initial['describe']}")
+    return initial
+
+
+async def final_evaluation(parts: RunParts, held_out: HeldOut, last_eval: dict[str, float],
+                           reporter: Reporter) -> dict[str, float]:
+    """The held-out score after RL, unless the last step already evaluated it (eval.every divides steps)."""
+    config = parts.config
+    if config.trainer.steps and config.eval.every and config.trainer.steps % config.eval.every == 0:
+        return last_eval
+    with reporter.status("held-out evaluation after RL"):
+        report = await held_out.report()
+    parts.sink.log(parts.trainer.version, report.metrics())
+    reporter.note(f"after RL: {report.describe()}")
+    return report.metrics()
+
+
+def summarize(parts: RunParts, initial: dict[str, float], final: dict[str, float], wall_seconds: float) -> dict:
+    ledger = parts.scheduler.ledger.summary()
+    return {
+        "run_dir": str(parts.run_dir),
+        "recipe": parts.config.name,
+        "initial_accuracy": initial["eval/avg@k"],
+        "final_accuracy": final["eval/avg@k"],
+        "eval_k": parts.config.eval.k,
+        "eval_prompts": min(len(parts.data.eval), parts.config.eval.num_prompts),
+        "wall_seconds": wall_seconds,
+        "optimizer_steps": parts.trainer.version,
+        "trained_trajectories": ledger["trained"],
+        "dropped_trajectories": {k.split("/", 1)[1]: v for k, v in ledger.items() if k.startswith("dropped/")},
+        "unfinished_at_end": ledger["outstanding"],
+        "skipped_data_rows": parts.data.skipped_rows,
+        "verifier": parts.pool.stats(),
+    }
