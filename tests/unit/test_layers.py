@@ -93,3 +93,38 @@ def _function_lengths():
 def test_no_function_is_over_80_lines():
     long = {where: lines for where, lines in _function_lengths() if lines > 80}
     assert not long, f"split these into functions with one job each: {long}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """flashreinforce module -> the flashreinforce modules it imports (anywhere in its body)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = ("flashreinforce", *path.relative_to(PACKAGE).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def test_no_two_modules_import_each_other_even_through_others():
+    graph, done, cycles = _module_graph(), set(), []
+
+    def visit(name: str, path: list[str]) -> None:
+        for target in sorted(graph[name]):
+            if target in path:
+                cycles.append(" -> ".join([*path[path.index(target):], target]))
+            elif target not in done:
+                visit(target, [*path, target])
+        done.add(name)
+
+    for name in sorted(graph):
+        if name not in done:
+            visit(name, [name])
+    assert not cycles, f"import circles: {cycles}"
