@@ -56,6 +56,7 @@ import torch
 
 from flashreinforce.config import RunConfig, load_config
 from flashreinforce.controller.loop import LoopSettings, RLLoop
+from flashreinforce.data.order import PromptOrder
 from flashreinforce.metrics.console import Reporter
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.run.backends import build_backend, build_episodes, build_verifier_pool

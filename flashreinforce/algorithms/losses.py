@@ -85,7 +85,8 @@ class WhitenOptions:
             raise ValueError(f"option whiten={self.whiten!r} is not one of {WHITEN_OVER}")
 
 
-def _spec(advantages: Callable, objective: Callable, options: object, advantage_options: type | None = None) -> LossSpec:
+def _spec(advantages: Callable, objective: Callable, options: object,
+          advantage_options: type | None = None) -> LossSpec:
     defaults = MappingProxyType(asdict(options))
     if advantage_options is None:
         return LossSpec(_reads_no_token_counts(advantages), partial(objective, **defaults), defaults)

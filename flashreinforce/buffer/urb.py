@@ -95,7 +95,8 @@ class URBScheduler:
 
     def state_dict(self) -> dict:
         return scheduler_state("urb", self._options(), self.book, self._last_step, self._lag, iteration=self.iteration,
-                               skipped=self.skipped, done=[group_state(g) for g in self._done.values() if g is not None],
+                               skipped=self.skipped,
+                               done=[group_state(g) for g in self._done.values() if g is not None],
                                filtered=[p for p, g in self._done.items() if g is None])
 
     def load_state_dict(self, state: dict) -> None:

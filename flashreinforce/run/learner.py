@@ -24,7 +24,8 @@ def build_trainer(config: RunConfig, model, tokenizer) -> Trainer:
         temperature=config.rollout.temperature,
         max_new_tokens=config.rollout.max_new_tokens,
         overlong=OverlongShaping(algo.overlong.max_length, algo.overlong.cache) if algo.overlong else None,
-        wpsm=WPSMSettings(algo.wpsm.tau, algo.wpsm.eta, algo.wpsm.alpha, algo.wpsm.positive_only) if algo.wpsm else None,
+        wpsm=(WPSMSettings(algo.wpsm.tau, algo.wpsm.eta, algo.wpsm.alpha, algo.wpsm.positive_only)
+              if algo.wpsm else None),
     )
 
 

@@ -32,5 +32,6 @@ def test_the_engine_context_is_the_longest_prompt_plus_the_budget_and_the_model_
     assert engine.max_context == longest + 40 and engine.version == 3
     assert engine.model is not policy.model  # the engine decodes its own copy of the weights
     limit = config.model.tiny.max_position_embeddings
-    with pytest.raises(ValueError, match=f"max_new_tokens=200 need {longest + 200} positions but the model has {limit}"):
+    expected = f"max_new_tokens=200 need {longest + 200} positions but the model has {limit}"
+    with pytest.raises(ValueError, match=expected):
         build_engine(config, policy, EngineShape(longest, 200, version=0, seed=0))
