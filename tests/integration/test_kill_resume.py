@@ -15,6 +15,9 @@ from safetensors.torch import load_file
 from flashreinforce.buffer import Ledger
 from flashreinforce.trainer.checkpoint import latest_checkpoint, load_states
 
+pytestmark = pytest.mark.slow  # 2-3 whole `flashreinforce train` subprocesses a test, ~10-19 s each on 2 cores
+# (most of a run is the interpreter importing torch and transformers, ~4 s, which no smaller config removes)
+
 STEPS = 10
 BATCH = 8
 

@@ -55,6 +55,47 @@ def model() -> torch.nn.Module:
     return build_model(VOCAB, 16, 1, 2, 32, seed=3)
 
 
+class SharedChild:
+    """One started child of `tiny_trainer` for the module: starting one costs a fresh interpreter that imports
+    torch and transformers (~3 s), more than any test here spends in it. `get(fresh=True)` gives a child no
+    test has used yet (the shared one when untouched, else a new one); `take()` hands the shared child over
+    for good (a test that kills it), so no later test sees it."""
+
+    def __init__(self) -> None:
+        self.remote: TrainerProcess | None = None
+        self.used = False
+        self.extra: list[TrainerProcess] = []
+
+    def _start(self) -> TrainerProcess:
+        return TrainerProcess(tiny_trainer, (model(),), template=model().state_dict(), threads=1)
+
+    def get(self, fresh: bool = False) -> TrainerProcess:
+        if self.remote is not None and fresh and self.used:
+            self.extra.append(self._start())
+            return self.extra[-1]
+        if self.remote is None:
+            self.remote, self.used = self._start(), False
+        self.used = True
+        return self.remote
+
+    def take(self) -> TrainerProcess:
+        remote, self.remote = (self.remote or self._start()), None
+        self.extra.append(remote)
+        return remote
+
+    def close(self) -> None:
+        for remote in [self.remote, *self.extra]:
+            if remote is not None:
+                remote.close()
+
+
+@pytest.fixture(scope="module")
+def children():
+    shared = SharedChild()  # built in this (the main) thread: the child dies with the thread that built it
+    yield shared
+    shared.close()
+
+
 @pytest.fixture
 def one_thread():
     threads = torch.get_num_threads()
@@ -63,63 +104,55 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_steps_match_an_inline_trainer_and_weights_are_published(one_thread, tmp_path):
+def test_steps_match_an_inline_trainer_and_weights_are_published(children, one_thread, tmp_path):
     inline = tiny_trainer(model())
-    remote = TrainerProcess(tiny_trainer, (model(),), template=inline.weights(), threads=1)
-    try:
-        assert remote.version == 0
-        for step in range(3):
-            expected = inline.step(batch(step))
-            got = remote.step(batch(step))
-            assert remote.version == inline.version == step + 1
-            assert got.keys() == expected.keys()
-            assert got["loss/policy"] == pytest.approx(expected["loss/policy"], rel=1e-6, abs=1e-9)
-            published = remote.weights()
-            for name, tensor in inline.weights().items():
-                torch.testing.assert_close(published[name], tensor, rtol=1e-6, atol=1e-7)
-        # optimizer state and version round-trip through the pipe
-        state = remote.state_dict()
-        assert state["version"] == 3
-        assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], inline.state_dict()["optimizer"]["state"][0]["exp_avg"])
-        remote.save_model(tmp_path / "model")
-        saved = type(inline.model).from_pretrained(tmp_path / "model")
-        for name, tensor in saved.state_dict().items():
-            torch.testing.assert_close(tensor, remote.weights()[name])
-    finally:
-        remote.close()
+    remote = children.get(fresh=True)  # unstepped: the same weights and optimizer as `inline`
+    assert remote.version == 0
+    for step in range(3):
+        expected = inline.step(batch(step))
+        got = remote.step(batch(step))
+        assert remote.version == inline.version == step + 1
+        assert got.keys() == expected.keys()
+        assert got["loss/policy"] == pytest.approx(expected["loss/policy"], rel=1e-6, abs=1e-9)
+        published = remote.weights()
+        for name, tensor in inline.weights().items():
+            torch.testing.assert_close(published[name], tensor, rtol=1e-6, atol=1e-7)
+    # optimizer state and version round-trip through the pipe
+    state = remote.state_dict()
+    assert state["version"] == 3
+    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], inline.state_dict()["optimizer"]["state"][0]["exp_avg"])
+    remote.save_model(tmp_path / "model")
+    saved = type(inline.model).from_pretrained(tmp_path / "model")
+    for name, tensor in saved.state_dict().items():
+        torch.testing.assert_close(tensor, remote.weights()[name])
 
 
-def test_load_state_dict_restores_version_and_optimizer(one_thread):
+def test_load_state_dict_restores_version_and_optimizer(children, one_thread):
     source = tiny_trainer(model())
     source.step(batch(0))
-    remote = TrainerProcess(tiny_trainer, (model(),), template=source.weights(), threads=1)
-    try:
-        remote.load_state_dict(source.state_dict())
-        assert remote.version == 1
-        assert remote.state_dict()["schedule"] == source.state_dict()["schedule"]
-    finally:
-        remote.close()
+    remote = children.get()  # a used child too: the load replaces whatever version and state it had
+    remote.load_state_dict(source.state_dict())
+    assert remote.version == 1
+    assert remote.state_dict()["schedule"] == source.state_dict()["schedule"]
 
 
-def test_an_error_in_the_child_is_raised_here_with_its_traceback():
+def test_an_error_in_the_child_is_raised_here_with_its_traceback(children):
     with pytest.raises(ValueError, match="this factory refuses") as caught:
         TrainerProcess(broken_trainer, (model(),), template=model().state_dict(), threads=1)
     assert any("trainer process" in note and "broken_trainer" in note for note in caught.value.__notes__)
 
-    remote = TrainerProcess(tiny_trainer, (model(),), template=model().state_dict(), threads=1)
-    try:
-        row = batch(0)[0]
-        with pytest.raises(ValueError, match="no sampled tokens") as caught:  # the trainer's own check
-            remote.step([dataclasses.replace(row, loss_mask=(0,) * len(row.tokens))])
-        assert any("'step'" in note for note in caught.value.__notes__)
-        remote.step(batch(1))  # the child survives a refused batch
-        assert remote.version == 1
-    finally:
-        remote.close()
+    remote = children.get()
+    remote.load_state_dict(tiny_trainer(model()).state_dict())  # back to version 0 and a fresh optimizer
+    row = batch(0)[0]
+    with pytest.raises(ValueError, match="no sampled tokens") as caught:  # the trainer's own check
+        remote.step([dataclasses.replace(row, loss_mask=(0,) * len(row.tokens))])
+    assert any("'step'" in note for note in caught.value.__notes__)
+    remote.step(batch(1))  # the child survives a refused batch
+    assert remote.version == 1
 
 
-def test_a_dead_child_is_reported_with_its_exit_code():
-    remote = TrainerProcess(tiny_trainer, (model(),), template=model().state_dict(), threads=1)
+def test_a_dead_child_is_reported_with_its_exit_code(children):
+    remote = children.take()  # killed here: no later test gets this child
     try:
         os.kill(remote._proc.pid, signal.SIGKILL)
         with pytest.raises(TrainerProcessError, match=r"code -9"):

@@ -111,7 +111,7 @@ def test_memory_limit_turns_a_big_allocation_into_a_crash():
 
 
 def test_grows_while_calls_wait_and_cpus_are_idle_then_retires_idle_workers():
-    with VerifierPool([ref("slow")], min_workers=1, max_workers=3, idle_timeout_s=0.5,
+    with VerifierPool([ref("slow")], min_workers=1, max_workers=3, idle_timeout_s=0.2,
                       idle_cpus=lambda: 8.0) as pool:
         futures = [pool.submit("0.4", PROMPT) for _ in range(6)]
         peak = 0
@@ -142,7 +142,7 @@ def test_yield_cpus_limits_running_calls_to_min_workers():
                 assert stats["running"] <= 1 and stats["limit"] == 1
                 time.sleep(0.005)
         assert pool.stats()["limit"] == 2
-        futures = [pool.submit("0.5", PROMPT) for _ in range(2)]
+        futures = [pool.submit("0.25", PROMPT) for _ in range(2)]  # both are dispatched in one pass
         wait_until(lambda: pool.stats()["running"] == 2)  # both parked workers run again
         assert all(f.result().reason == "ok" for f in futures)
 
