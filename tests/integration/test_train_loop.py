@@ -194,3 +194,40 @@ def test_chat_message_prompts_train_with_a_chat_template_model(chat_tokenizer, t
         messages = rows[int(sample["prompt_id"].split("/")[1])]["prompt"]
         assert sample["prompt"] == chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                                       tokenize=False)
+
+
+def test_held_out_evaluation_decodes_the_same_on_the_threaded_and_the_lockstep_engine(tiny_run):
+    """The engine thread of the overlapped backend decodes an evaluation exactly as the lockstep backend does:
+    the same tokens with the same log-probs, to the bit, run after run (a checkpoint always scores the same)."""
+    import asyncio
+
+    from flashreinforce.controller.local import LocalBackend
+    from flashreinforce.eval.evaluate import evaluate
+    from flashreinforce.run.backends import build_episodes, build_verifier_pool
+    from flashreinforce.run.data import load_data
+    from flashreinforce.run.engines import EngineShape, build_engine, eval_params, longest_rendered
+    from flashreinforce.run.policy import tiny_policy
+
+    class Recording(LocalBackend):
+        async def finished(self):
+            done = await super().finished()
+            self.seen.update((g.request_id, (g.token_ids, g.behavior_logprobs)) for g in done)
+            return done
+
+    config = load_config(None, [*tiny_run, "rollout.max_batch_size=8"])  # continuous batching: slots refill
+    policy, prompts = tiny_policy(config), load_data(config).eval[:16]
+    episodes = build_episodes(config, policy.tokenizer)
+    shape = EngineShape(longest_rendered(episodes, prompts), 24, version=0, seed=0)
+
+    async def decode(overlap: bool) -> dict:
+        with build_verifier_pool(config) as pool:
+            backend = Recording(build_engine(config, policy, shape), None, pool, policy.tokenizer, overlap=overlap)
+            backend.seen = {}
+            await evaluate(backend, episodes, prompts, k=4, params=eval_params(config, 24), seed=0)
+            await backend.close()
+        return backend.seen
+
+    lockstep = asyncio.run(decode(overlap=False))
+    assert len(lockstep) == 16 * 4
+    for _ in range(3):
+        assert asyncio.run(decode(overlap=True)) == lockstep
