@@ -33,9 +33,10 @@ class RolloutTask:
     """Data position of the prompt (U-RB data group = group // batch_groups)."""
     admitted_version: int
     """Policy version when this key was FIRST admitted; a resume keeps it. Lower-bounds every token version."""
-    group_version: int
+    group_version: int | None
     """Policy version when the group's FIRST rollout was admitted. Siblings admitted later (after a weight
-    push) share it, so every rollout of a group sees the same prompt (an AHRL hint is rendered at it)."""
+    push) share it, so every rollout of a group sees the same prompt (an AHRL hint is rendered at it). None
+    only for a task restored from a checkpoint older than this field: it resumes from its partial."""
     partial: Generation | None = None
     """Resume from this partial generation (finish_reason "abort"); None for a fresh start."""
 
@@ -260,7 +261,9 @@ def group_from_state(state: dict, prompt_at: PromptAt) -> Group:
     if prompt.id != state["prompt_id"]:
         raise ValueError(f"scheduler state: data position {position} held prompt {state['prompt_id']!r} but the "
                          f"data now gives {prompt.id!r}; resume with the same dataset, order and seed")
-    group = Group(position, prompt, tuple(RolloutKey(prompt.id, s) for s in state["samples"]), state["first_version"])
+    # first_version is absent from checkpoints written before it existed: the next admission sets it.
+    group = Group(position, prompt, tuple(RolloutKey(prompt.id, s) for s in state["samples"]),
+                  state.get("first_version"))
     group.finished = {t.key: t for t in state["finished"]}
     for sample, admitted_version, partial in state["parked"]:
         key = RolloutKey(prompt.id, sample)

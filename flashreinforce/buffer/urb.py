@@ -102,7 +102,7 @@ class URBScheduler:
     def load_state_dict(self, state: dict) -> None:
         self._last_step, self._lag = restore_scheduler_state(state, "urb", self._options(), self.book)
         self.iteration = state["iteration"]
-        self.skipped = state["skipped"]
+        self.skipped = state.get("skipped", 0)  # absent from checkpoints written before it was counted
         self._done = {p: None for p in state["filtered"]}
         for entry in state["done"]:
             group = group_from_state(entry, self.book.prompt_at)

@@ -5,7 +5,7 @@
     data.py        prompts;  policy.py  model + tokenizer (model.path, checkpoint, tiny model + SFT)
     engines.py     ENGINES by rollout.engine;  backends.py  BACKENDS by backend.kind, ENVS by env.kind, the CPU pool
     learner.py     the trainer;  scheduling.py  the scheduler;  hooks.py  metrics, checkpoints, held-out eval
-    directory.py   the run directory;  ahrl.py  pass rates and hinted prompts
+    directory.py   the run directory;  ahrl.py  pass rates and hinted prompts;  tables.py  kind -> builder
 
 A new engine, backend or environment is one builder in its table; this package holds no policy of its own.
 """

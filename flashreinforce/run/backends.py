@@ -14,7 +14,8 @@ from flashreinforce.controller.backend import Backend
 from flashreinforce.controller.local import LocalBackend
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.rollout.engine import Engine
-from flashreinforce.run.engines import engine_builder
+from flashreinforce.run.engines import ENGINES
+from flashreinforce.run.tables import pick_builder
 from flashreinforce.verifiers.pool import VerifierPool
 
 
@@ -33,11 +34,11 @@ ENVS: dict[str, Callable[[Any], TextEpisodes]] = {
 
 
 def build_backend(config: RunConfig, engine: Engine, trainer: Any, pool: VerifierPool, tokenizer: Any) -> Backend:
-    return _pick(BACKENDS, "backend.kind", config.backend.kind)(config, engine, trainer, pool, tokenizer)
+    return pick_builder(BACKENDS, "backend.kind", config.backend.kind)(config, engine, trainer, pool, tokenizer)
 
 
 def build_episodes(config: RunConfig, tokenizer: Any) -> TextEpisodes:
-    return _pick(ENVS, "env.kind", config.env.kind)(tokenizer)
+    return pick_builder(ENVS, "env.kind", config.env.kind)(tokenizer)
 
 
 def build_verifier_pool(config: RunConfig) -> VerifierPool:
@@ -48,12 +49,6 @@ def build_verifier_pool(config: RunConfig) -> VerifierPool:
 
 def check_buildable(config: RunConfig) -> None:
     """Fail before any work when the config names a part this build has no builder for, saying so."""
-    engine_builder(config)
-    _pick(BACKENDS, "backend.kind", config.backend.kind)
-    _pick(ENVS, "env.kind", config.env.kind)
-
-
-def _pick(table: dict[str, Callable], field: str, kind: str) -> Callable:
-    if kind not in table:
-        raise ValueError(f"{field}={kind} is not available in this build yet; use one of {sorted(table)}")
-    return table[kind]
+    pick_builder(ENGINES, "rollout.engine", config.rollout.engine)
+    pick_builder(BACKENDS, "backend.kind", config.backend.kind)
+    pick_builder(ENVS, "env.kind", config.env.kind)

@@ -16,6 +16,7 @@ from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.run.data import Data
 from flashreinforce.run.policy import Policy
+from flashreinforce.run.tables import pick_builder
 from flashreinforce.types import Prompt, SamplingParams
 
 
@@ -53,14 +54,7 @@ ENGINES: dict[str, Callable[[RunConfig, Policy, EngineShape], Engine]] = {
 
 
 def build_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> Engine:
-    return engine_builder(config)(config, policy, shape)
-
-
-def engine_builder(config: RunConfig) -> Callable[[RunConfig, Policy, EngineShape], Engine]:
-    if config.rollout.engine not in ENGINES:
-        raise ValueError(f"rollout.engine={config.rollout.engine} is not available in this build yet; "
-                         f"use one of {sorted(ENGINES)}")
-    return ENGINES[config.rollout.engine]
+    return pick_builder(ENGINES, "rollout.engine", config.rollout.engine)(config, policy, shape)
 
 
 def longest_prompt(config: RunConfig, episodes: TextEpisodes, data: Data) -> int:

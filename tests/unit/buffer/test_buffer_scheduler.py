@@ -165,3 +165,18 @@ def test_a_groups_rollouts_share_the_version_its_first_one_was_admitted_at_even_
     assert [t.admitted_version for t in later] == [1, 1] and [t.group_version for t in later] == [0, 0]
     (other,) = restored.admit(free_slots=1, version=1)
     assert other.key.prompt_id == "p1" and other.group_version == 1  # a new group starts at its own version
+
+
+def test_a_checkpoint_written_before_group_versions_and_skipped_groups_were_kept_still_restores():
+    s = build("urb", batch_groups=2, group_size=2, buffer_size=2)
+    first, second, third = s.admit(free_slots=3, version=0)
+    s.on_aborted(second, partial(second, (0,)))
+    state = pickle.loads(pickle.dumps(s.state_dict()))
+    del state["skipped"]
+    for group in state["book"]["groups"]:
+        del group["first_version"]
+    restored = restorer("urb", batch_groups=2, group_size=2, buffer_size=2)(state)
+    assert restored.skipped == 0
+    resumed, fresh = restored.admit(free_slots=2, version=1)
+    assert resumed.key == second.key and resumed.partial == partial(second, (0,))
+    assert fresh.key == ("p1", 1) and fresh.group_version == 1  # its group's version is set at its next admission
