@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-FinishReason = Literal["stop", "length", "abort"]
-"""stop: EOS or a stop string/token; length: token budget or context exhausted; abort: paused or
-cancelled before finishing (the record is then a partial rollout that can be resumed)."""
+FinishReason = Literal["stop", "length", "abort", "turns", "env_error"]
+"""stop: EOS or a stop string/token (for an episode: the environment said done); length: token budget or
+context exhausted; abort: paused or cancelled before finishing (the record is then a partial rollout that
+can be resumed); turns: an episode used its turn budget; env_error: its environment crashed, raised or
+overran its deadline (the verdict's reason says which)."""
 
 FORCED_VERSION = -1
 """policy_version of a token that was not sampled (prompt, hint, observation)."""
@@ -123,6 +125,8 @@ class Generation:
     sampler_state: Any = None
     """Opaque engine state (e.g. the request's RNG state) that makes a resume continue the exact
     random stream of an uninterrupted run. Picklable."""
+    episode: EpisodeState | None = None
+    """A multi-turn episode's state (None for single-turn); the engine neither reads nor keeps it."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -134,6 +138,38 @@ class Generation:
     @property
     def num_sampled(self) -> int:
         return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class EpisodeState:
+    """What a multi-turn episode did so far, beyond its tokens: enough to rebuild its environment.
+
+    Environments are deterministic in (prompt, seed, actions), so a checkpoint holds an in-flight episode as
+    its token row plus this record, and a resume replays `actions` into a freshly reset environment.
+    """
+
+    seed: int
+    """The seed of the environment's reset."""
+    actions: tuple[str, ...] = ()
+    """Actions the environment applied, in order; their observations are in the token row."""
+    rewards: tuple[float, ...] = ()
+    """The environment's reward for each applied action."""
+    pending: str | None = None
+    """An action sampled but not yet applied (the episode was paused during its environment step)."""
+    tool_calls: int = 0
+    """Steps whose info said tool_call (the Python tool counts its code runs)."""
+    success: bool | None = None
+    """The environment's last `info["success"]`, when it gave one."""
+    conversation: tuple[dict[str, str], ...] | None = None
+    """Chat episodes: the messages so far, what the chat template renders the next observation against."""
+    end: str | None = None
+    """Why a finished episode ended: done | turns | length | env_timeout | env_crash: ... | env_error: ..."""
+    verdict: Verdict | None = None
+    """A finished episode's judgement (environment reward, verifier, or both, per env.reward)."""
+
+    @property
+    def turns(self) -> int:
+        return len(self.actions) + (self.pending is not None)
 
 
 @dataclass(frozen=True)
@@ -166,6 +202,8 @@ class Trajectory:
     verdict: Verdict
     hint_length: int = 0
     """How many of the prompt's tokens are an AHRL hint."""
+    episode: EpisodeState | None = None
+    """A multi-turn trajectory's actions, rewards and tool calls (None for single-turn)."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

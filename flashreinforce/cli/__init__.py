@@ -1,10 +1,11 @@
-"""The command line: `flashreinforce train | sft | eval | plot | bench`.
+"""The command line: `flashreinforce train | sft | eval | plot | bench | sandbox`.
 
     flashreinforce train                                  # the default CPU recipe
     flashreinforce train arithmetic_grpo trainer.lr=1e-4  # a shipped recipe (or a .yaml path) + dotted overrides
     flashreinforce train --dry-run scheduler.kind=urb     # print the resolved config and exit
     flashreinforce train --resume runs/arithmetic-...     # continue a run from its latest checkpoint
     flashreinforce eval runs/arithmetic-.../checkpoints/step_000120 --k 8
+    flashreinforce sandbox attempt.py --timeout 10        # run a file as the python tool would, isolated
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ def _bench(args: argparse.Namespace) -> None:
     raise SystemExit(subprocess.call([sys.executable, str(find_benchmark(args.name)), *args.rest]))
 
 
+def _sandbox(args: argparse.Namespace) -> None:
+    from flashreinforce.run.sandbox import run_sandbox_file
+
+    raise SystemExit(run_sandbox_file(args.file, timeout=args.timeout, memory_mb=args.memory_mb,
+                                      allow_unisolated=args.allow_unisolated))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashreinforce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
+
+    sandbox = commands.add_parser("sandbox", help="run a Python file isolated, as a python tool call would: "
+                                                  "its output, then a one-line JSON status")
+    sandbox.add_argument("file", type=Path)
+    sandbox.add_argument("--timeout", type=float, help="wall-clock seconds (default 5; the CPU limit follows)")
+    sandbox.add_argument("--memory-mb", type=int, help="address space per process, and resident memory in all "
+                                                       "(default 512)")
+    sandbox.add_argument("--allow-unisolated", action="store_true",
+                         help="where no sandbox works (no bubblewrap, no user namespaces), run it unisolated")
+    sandbox.set_defaults(run=_sandbox)
     return parser
 
 

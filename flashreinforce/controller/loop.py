@@ -23,6 +23,7 @@ from typing import Any
 
 from flashreinforce.buffer import RolloutTask, Scheduler
 from flashreinforce.controller.backend import Backend
+from flashreinforce.controller.episodes import EpisodeBackend
 from flashreinforce.envs.hints import HintedPrompts
 from flashreinforce.envs.single_turn import TextEpisodes, to_trajectory
 from flashreinforce.types import Generation, RolloutKey, SamplingParams, Trajectory
@@ -75,7 +76,8 @@ class RLLoop:
         hints: HintedPrompts | None = None,
         version: int = 0,
     ) -> None:
-        self.backend = backend
+        # Every rollout is an episode; a bare Backend runs single-turn ones (the one-turn case, same path).
+        self.backend = backend if isinstance(backend, EpisodeBackend) else EpisodeBackend(backend, episodes)
         self.scheduler = scheduler
         self.episodes = episodes
         self.settings = settings
@@ -141,28 +143,24 @@ class RLLoop:
             assert rid not in self.inflight, f"scheduler admitted {task.key} twice"
             self.inflight[rid] = task
             if task.partial is not None:
-                self.backend.submit(rid, task.partial.prompt_ids, task.partial.params, prefix=task.partial)
+                self.backend.start(rid, task.prompt, task.partial.params, prefix=task.partial)
             else:
-                if self.hints is not None:  # AHRL: one hinted prompt per group, of the step the group started at
-                    prompt_ids = self.hints.prompt_ids(task.prompt, task.group_version)
-                else:
-                    prompt_ids = self.episodes.prompt_ids(task.prompt)
                 params = replace(self.settings.sampling, seed=request_seed(self.settings.seed, task.key))
-                self.backend.submit(rid, prompt_ids, params)
+                self.backend.start(rid, task.prompt, params, self._hint_ids(task))
+
+    def _hint_ids(self, task: RolloutTask) -> list[int]:
+        """AHRL: one hint per group, of the step the group started at (empty without hints)."""
+        return self.hints.hint_ids(task.prompt, task.group_version) if self.hints is not None else []
 
     async def _deliver(self, generations: Sequence[Generation]) -> None:
-        """Score finished generations and hand the trajectories to the scheduler, in the given order."""
+        """Score ended episodes and hand the trajectories to the scheduler, in the given order."""
         if not generations:
             return
         tasks = [self.inflight.pop(g.request_id) for g in generations]
-        verdicts = await self.backend.score(
-            [(self.episodes.completion_text(g), task.prompt) for g, task in zip(generations, tasks)]
-        )
+        verdicts = await self.backend.judge(generations)
         for task, generation, verdict in zip(tasks, generations, verdicts):
-            hint_length = self.hints.hint_length(task.prompt, generation.prompt_ids) if self.hints else 0
-            self.scheduler.on_finished(
-                to_trajectory(task.key, task.prompt, task.group, generation, verdict, hint_length=hint_length)
-            )
+            self.scheduler.on_finished(to_trajectory(task.key, task.prompt, task.group, generation, verdict,
+                                                     hint_length=len(self._hint_ids(task))))
 
     async def _after_step(self, metrics: dict[str, float], batch: Sequence[Trajectory]) -> None:
         """Weight push: [pause] -> load -> drop over-stale work -> evaluate / checkpoint -> [resume].
@@ -235,5 +233,6 @@ class RLLoop:
         partials = []
         for task, partial in state["inflight"]:
             self.inflight[partial.request_id] = task
+            self.backend.restore(partial.request_id, task.prompt, partial.params)
             partials.append(partial)
         await self.backend.resume(partials)

@@ -50,9 +50,10 @@ class HintedPrompts:
                                  pass_floor=self.pass_floor)
         return render_hinted(self.episodes, prompt, fraction, self._think_open)
 
-    def hint_length(self, prompt: Prompt, prompt_ids: tuple[int, ...] | list[int]) -> int:
-        """How many of `prompt_ids` (as sent to the engine) are hint: the tokens after the rendered prompt."""
-        return len(prompt_ids) - len(self.episodes.prompt_ids(prompt))
+    def hint_ids(self, prompt: Prompt, step: int) -> list[int]:
+        """The hint tokens of `prompt` at `step` alone (none when it does not qualify): what follows the prompt,
+        whatever an environment's first observation adds to it."""
+        return self.prompt_ids(prompt, step)[len(self.episodes.prompt_ids(prompt)):]
 
 
 def render_hinted(episodes: TextEpisodes, prompt: Prompt, fraction: float, think_open_ids: list[int]) -> list[int]:

@@ -66,4 +66,5 @@ def to_trajectory(
         finish_reason=generation.finish_reason,
         verdict=verdict,
         hint_length=hint_length,
+        episode=generation.episode,
     )

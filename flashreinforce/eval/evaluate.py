@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from flashreinforce.algorithms.passk import pass_at_k
 from flashreinforce.controller.backend import Backend
+from flashreinforce.controller.episodes import EpisodeBackend
 from flashreinforce.controller.loop import request_seed
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.types import Prompt, RolloutKey, SamplingParams
@@ -36,9 +37,16 @@ class EvalReport:
     by_source: dict[str, SourceScore]
     correct: dict[str, int]
     """Correct samples (of k) per prompt id."""
+    mean_turns: float | None = None
+    """Multi-turn runs: model turns per episode."""
+    mean_tool_calls: float | None = None
+    """Multi-turn runs: tool calls per episode."""
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         flat = {f"{prefix}/avg@k": self.overall.avg_at_k}
+        if self.mean_turns is not None:
+            flat[f"{prefix}/turns"] = self.mean_turns
+            flat[f"{prefix}/tool_calls"] = self.mean_tool_calls
         for kk, value in self.overall.pass_at.items():
             flat[f"{prefix}/pass@{kk}"] = value
         if len(self.by_source) > 1:
@@ -77,26 +85,32 @@ async def evaluate(
     params: SamplingParams,
     seed: int,
 ) -> EvalReport:
-    """Generate k samples per prompt (seeded per sample, so a checkpoint always scores the same)."""
+    """Run k episodes per prompt (seeded per sample, so a checkpoint always scores the same)."""
     if not prompts:
         raise ValueError("evaluation needs at least one prompt")
+    if not isinstance(backend, EpisodeBackend):
+        backend = EpisodeBackend(backend, episodes)
     by_id: dict[str, tuple[Prompt, int]] = {}
     for prompt in prompts:
-        ids = episodes.prompt_ids(prompt)
         for sample in range(k):
             key = RolloutKey(prompt.id, sample)
             rid = f"eval:{prompt.id}#{sample}"
             by_id[rid] = (prompt, sample)
-            backend.submit(rid, ids, replace(params, seed=request_seed(seed, key)))
+            backend.start(rid, prompt, replace(params, seed=request_seed(seed, key)))
     correct: dict[str, int] = defaultdict(int)
+    turns: list[int] = []
+    tool_calls: list[int] = []
     remaining = len(by_id)
     while remaining:
         finished = await backend.finished()
         strays = [g.request_id for g in finished if g.request_id not in by_id]
         assert not strays, f"evaluation must own the engine, but {strays[:3]} also finished"
-        verdicts = await backend.score([(episodes.completion_text(g), by_id[g.request_id][0]) for g in finished])
+        verdicts = await backend.judge(finished)
         for generation, verdict in zip(finished, verdicts):
             correct[by_id[generation.request_id][0].id] += int(verdict.passed)
+            if generation.episode is not None:
+                turns.append(generation.episode.turns)
+                tool_calls.append(generation.episode.tool_calls)
         remaining -= len(finished)
     sources: dict[str, list[int]] = defaultdict(list)
     for prompt in prompts:
@@ -109,4 +123,6 @@ async def evaluate(
         overall=_score([correct[p.id] for p in prompts], k),
         by_source={source: _score(counts, k) for source, counts in sources.items()},
         correct={p.id: correct[p.id] for p in prompts},
+        mean_turns=sum(turns) / len(turns) if turns else None,
+        mean_tool_calls=sum(tool_calls) / len(tool_calls) if tool_calls else None,
     )

@@ -34,12 +34,12 @@ def test_step_zero_reveals_floor_of_p_initial_of_the_think_after_the_opener():
     length = math.floor(0.8 * len(THINK))  # 21 think tokens
     assert ids[: len(base)] == base
     assert TOKENIZER.decode(ids[len(base):]) == "<think>" + THINK[:length]
-    assert hints().hint_length(HARD, ids) == 1 + length
+    assert len(hints().hint_ids(HARD, 0)) == 1 + length
 
 
 def test_the_hint_fades_with_steps_and_a_zero_hint_is_the_plain_prompt():
     schedule = hints()
-    lengths = [schedule.hint_length(HARD, schedule.prompt_ids(HARD, t)) for t in (0, 100, 1000)]
+    lengths = [len(schedule.hint_ids(HARD, t)) for t in (0, 100, 1000)]
     expected_100 = math.floor(0.8 * math.exp(-0.01 * 100 * 0.5) * len(THINK))
     assert lengths[0] > lengths[1] == 1 + expected_100
     assert lengths[2] == 0
@@ -50,7 +50,7 @@ def test_hint_tokens_are_prompt_never_trained():
     ids = hints().prompt_ids(HARD, 0)
     generation = Generation(request_id="hard#0", prompt_ids=tuple(ids), token_ids=(5, 6), behavior_logprobs=(-1.0, -2.0),
                             policy_versions=(0, 0), loss_mask=(1, 1), finish_reason="stop", params=SamplingParams())
-    hint_length = hints().hint_length(HARD, ids)
+    hint_length = len(hints().hint_ids(HARD, 0))
     trajectory = to_trajectory(RolloutKey("hard", 0), HARD, 0, generation, Verdict(1.0, True), hint_length=hint_length)
     assert trajectory.hint_length == hint_length > 0
     assert trajectory.loss_mask == (0,) * len(ids) + (1, 1)

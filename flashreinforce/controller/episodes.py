@@ -1,0 +1,384 @@
+"""Episodes over a Backend: a request is a whole episode, model turns and environment steps on one row.
+
+    start: [reset the environment] -> the engine generates a turn -> step the environment with the turn's
+    text (in the env pool, with a deadline) -> append the observation as forced tokens -> the engine
+    continues the same row -> ... -> done, or a turn / token budget ends it, or the environment fails
+The loop, the schedulers and evaluation see an episode as one request in flight until it ends: `finished()`
+hands back whole episodes only. Single-turn runs (no environment) are the one-turn case of the same path.
+
+Pause acts on episodes: an episode in the engine comes back as the engine's partial; one whose environment
+step is running comes back as its row so far with the action pending (the step goes on; its result is used
+if the episode resumes in this process, and a restored episode replays its actions and steps it again). With
+`lockstep` (deterministic runs) environment results are taken in a fixed order between engine steps, so a
+run is a function of its seed; otherwise each result resubmits its episode the moment it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from flashreinforce.controller.backend import Backend
+from flashreinforce.envs.pool import EnvOutcome, EnvPool
+from flashreinforce.envs.protocol import StepResult
+from flashreinforce.envs.single_turn import TextEpisodes
+from flashreinforce.envs.turns import TurnRenderer
+from flashreinforce.rollout.engine import append_forced_tokens
+from flashreinforce.types import EpisodeState, FinishReason, Generation, Prompt, SamplingParams, Verdict
+
+RewardSource = Literal["env", "verifier", "both"]
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    max_turns: int = 1
+    reward: RewardSource = "verifier"
+    """env: the environment's summed reward; verifier: the verifier on the final turn; both: their sum."""
+    max_context: int | None = None
+    """The engine's context: an observation that would not fit ends the episode ("length")."""
+    lockstep: bool = False
+
+
+@dataclass(frozen=True)
+class _Env:
+    pool: EnvPool
+    renderer: TurnRenderer
+
+
+def last_turn(generation: Generation) -> tuple[int, ...]:
+    """The ids sampled after the last forced token: the turn that just ended."""
+    forced = [j for j, m in enumerate(generation.loss_mask) if m == 0]
+    return generation.token_ids[forced[-1] + 1 if forced else 0:]
+
+
+class EpisodeBackend:
+    """The Backend protocol at episode granularity (start/finished/pause/resume/abort), delegating the rest."""
+
+    def __init__(self, inner: Backend, episodes: TextEpisodes, *, pool: EnvPool | None = None,
+                 renderer: TurnRenderer | None = None, settings: EpisodeSettings = EpisodeSettings()) -> None:
+        self.inner, self.episodes, self.settings = inner, episodes, settings
+        self.env = _Env(pool, renderer or TurnRenderer(episodes.tokenizer)) if pool is not None else None
+        self._prompts: dict[str, Prompt] = {}
+        self._params: dict[str, SamplingParams] = {}
+        self._states: dict[str, EpisodeState] = {}
+        """Each live episode's state; attached to the engine's rows as they come back (it does not keep it)."""
+        self._stepping: dict[str, asyncio.Task] = {}
+        """Resets and steps running in the env pool, by request id."""
+        self._turns: dict[str, Generation] = {}
+        """The row of an episode whose environment step is running (its last turn is the action)."""
+        self._held: set[str] = set()
+        """Paused while their step ran: its result waits for a resume."""
+        self._completed: list[Generation] = []
+        self._engine_wait: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self.counts: dict[str, int] = {}
+
+    # ---- delegated --------------------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:  # train, push_weights, state_dict, save_model, ...
+        return getattr(self.inner, name)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.inner.free_slots - len(self._stepping) + len(self._held & set(self._stepping)))
+
+    @property
+    def in_flight(self) -> int:
+        wait = self._engine_wait
+        taken = len(wait.result()) if wait is not None and wait.done() and not wait.cancelled() \
+            and wait.exception() is None else 0  # finished in the engine, not yet collected
+        return self.inner.in_flight + taken + len(set(self._stepping) - self._held) + len(self._completed)
+
+    def stats(self) -> dict[str, float]:
+        metrics = self.inner.stats()
+        if self.env is not None:
+            metrics.update({f"env/{k}": v for k, v in self.env.pool.stats().items()})
+            metrics.update({f"episode/{k}": float(v) for k, v in self.counts.items()})
+        return metrics
+
+    async def close(self) -> None:
+        for task in self._stepping.values():
+            task.cancel()
+        await self.inner.close()
+
+    # ---- starting ---------------------------------------------------------------------------------------
+
+    def start(self, request_id: str, prompt: Prompt, params: SamplingParams, hint_ids: Sequence[int] = (),
+              prefix: Generation | None = None) -> None:
+        """Begin an episode, or continue `prefix` (a partial of it, from a pause, an abort or a checkpoint)."""
+        self._prompts[request_id], self._params[request_id] = prompt, params
+        self._wake.set()  # a finished() waiting with nothing in the engine must see the new work
+        if prefix is not None:
+            self._continue(prefix)
+        elif self.env is None:
+            self.inner.submit(request_id, self.episodes.prompt_ids(prompt, hint_ids), params)
+        else:
+            seed = params.seed if params.seed is not None else 0
+            self._run_env(request_id, self._reset(request_id, prompt, seed, tuple(hint_ids)))
+
+    async def _reset(self, rid: str, prompt: Prompt, seed: int, hint_ids: tuple[int, ...]) -> Generation | EnvOutcome:
+        outcome = await self.env.pool.reset(rid, prompt, seed)
+        if outcome.failure is not None:
+            return outcome
+        ids, conversation = self.env.renderer.first_prompt(prompt, outcome.value)
+        self._states[rid] = EpisodeState(seed=seed, conversation=conversation)
+        return Generation(request_id=rid, prompt_ids=(*ids, *hint_ids), token_ids=(), behavior_logprobs=(),
+                          policy_versions=(), loss_mask=(), finish_reason="abort", params=self._params[rid],
+                          episode=self._states[rid])
+
+    def _continue(self, partial: Generation) -> None:
+        rid, state = partial.request_id, partial.episode
+        if state is not None:
+            self._states[rid] = replace(state, pending=None)
+            self._reopen(partial)
+        if state is not None and state.pending is not None:
+            self._held.discard(rid)
+            if rid not in self._stepping:  # restored: step it again (replaying the actions first)
+                self._step(rid, replace(partial, episode=replace(state, pending=None)), state.pending)
+            elif self._stepping[rid].done() and not self.settings.lockstep:
+                self._take_step(rid)
+            return
+        self.inner.submit(rid, partial.prompt_ids, partial.params, prefix=partial)
+
+    # ---- environment steps ------------------------------------------------------------------------------
+
+    def _run_env(self, rid: str, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._stepping[rid] = task
+        if not self.settings.lockstep:  # resubmit the moment the result arrives
+            task.add_done_callback(lambda _, rid=rid: self._take_step(rid) if rid not in self._held else None)
+
+    def _step(self, rid: str, row: Generation, action: str) -> None:
+        self._turns[rid] = row
+        self._run_env(rid, self.env.pool.step(rid, action))
+
+    def _take_step(self, rid: str) -> None:
+        """An environment call of `rid` returned: continue the episode, or end it."""
+        task = self._stepping.pop(rid)
+        if task.cancelled():
+            return
+        result = task.result()
+        row = self._turns.pop(rid, None)
+        if isinstance(result, Generation):  # a reset: the first turn's prompt
+            self.inner.submit(rid, result.prompt_ids, result.params, prefix=result)
+        elif result.failure is not None:
+            self._end(row or self._empty(rid), result.failure.split(":", 1)[0] if row else "env_error",
+                      "env_error", result.failure)
+        else:
+            self._observe(rid, row, result.value)
+        self._wake.set()
+
+    def _observe(self, rid: str, row: Generation, step: StepResult) -> None:
+        state = row.episode
+        state = replace(state, actions=(*state.actions, self.env.renderer.action_text(last_turn(row))),
+                        rewards=(*state.rewards, float(step.reward)),
+                        tool_calls=state.tool_calls + bool(step.info.get("tool_call")),
+                        success=step.info.get("success", state.success))
+        row = replace(row, episode=state)
+        self._states[rid] = state
+        if step.done:
+            return self._end(row, "done", "stop")
+        if len(state.actions) >= self.settings.max_turns:
+            return self._end(row, "turns", "turns")
+        forced, conversation = self.env.renderer.observation_ids(state.conversation, last_turn(row), step.observation)
+        length = len(row.prompt_ids) + len(row.token_ids) + len(forced)
+        if (len(row.token_ids) + len(forced) >= row.params.max_new_tokens
+                or (self.settings.max_context is not None and length >= self.settings.max_context)):
+            return self._end(row, "length", "length")
+        self._states[rid] = replace(state, conversation=conversation)
+        row = append_forced_tokens(replace(row, episode=self._states[rid]), forced)
+        self.inner.submit(rid, row.prompt_ids, row.params, prefix=row)
+
+    def _empty(self, rid: str) -> Generation:
+        """A row for an episode whose reset failed: the bare prompt, nothing sampled."""
+        params = self._params[rid]
+        return Generation(request_id=rid, prompt_ids=tuple(self.episodes.prompt_ids(self._prompts[rid])),
+                          token_ids=(), behavior_logprobs=(), policy_versions=(), loss_mask=(),
+                          finish_reason="env_error", params=params,
+                          episode=EpisodeState(seed=params.seed if params.seed is not None else 0))
+
+    def _end(self, row: Generation, end: str, finish: FinishReason, detail: str | None = None) -> None:
+        self.counts[f"end/{end}"] = self.counts.get(f"end/{end}", 0) + 1
+        if self.env is not None:
+            self.env.pool.close(row.request_id)
+        state = replace(row.episode, end=detail or end) if row.episode is not None else None
+        self._states.pop(row.request_id, None)
+        self._completed.append(replace(row, finish_reason=finish, episode=state))
+
+    def _on_turns(self, generations: Sequence[Generation]) -> None:
+        """Turns the engine finished: single-turn rows are done; an episode's turn goes to its environment."""
+        for generation in generations:
+            rid = generation.request_id
+            if self.env is None:
+                self._completed.append(generation)
+                continue
+            row = replace(generation, episode=self._states[rid])
+            if generation.finish_reason == "length":  # the budget ran out inside the turn
+                self._end(row, "length", "length")
+            else:
+                self._step(rid, row, self.env.renderer.action_text(last_turn(row)))
+
+    # ---- the loop's view -------------------------------------------------------------------------------
+
+    async def finished(self) -> list[Generation]:
+        """Wait until at least one episode ended; return every ended one."""
+        while not self._completed:
+            if self.settings.lockstep and set(self._stepping) - self._held:
+                await self._settle_steps()
+                continue
+            self._wake.clear()
+            waiters = [asyncio.ensure_future(self._wake.wait())]
+            if self._engine_wait is None and self.inner.in_flight:
+                self._engine_wait = asyncio.ensure_future(self.inner.finished())
+                self._engine_wait.add_done_callback(self._collect)
+            if self._engine_wait is not None:
+                waiters.append(self._engine_wait)
+            # else: nothing in the engine; an environment step's result (or a start) will wake us
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiters[0].cancel()
+            if self._engine_wait is not None and self._engine_wait.done():
+                self._collect(self._engine_wait)
+            elif self._engine_wait is not None:  # woken by a resubmission: wait again on a fresh snapshot
+                await self._stop_engine_wait()
+        done, self._completed = self._completed, []
+        return done
+
+    async def _settle_steps(self) -> None:
+        """Lockstep: every running environment call finishes, and is taken in the order it started."""
+        pending = [rid for rid in self._stepping if rid not in self._held]
+        if not pending:
+            return
+        await asyncio.wait([self._stepping[rid] for rid in pending])
+        for rid in pending:
+            self._take_step(rid)
+
+    def _collect(self, wait: asyncio.Task) -> None:
+        """Take the turns a finished engine wait returned (once; its error surfaces in finished())."""
+        if wait is not self._engine_wait or not wait.done() or wait.cancelled():
+            return
+        self._engine_wait = None
+        self._on_turns(wait.result())
+        self._wake.set()
+
+    async def _stop_engine_wait(self) -> None:
+        """Cancel the engine wait (cancel-safe: a cancelled wait has taken nothing)."""
+        wait = self._engine_wait
+        if wait is None:
+            return
+        if wait.done():
+            self._collect(wait)
+            return
+        self._engine_wait = None
+        wait.cancel()
+        await asyncio.gather(wait, return_exceptions=True)
+
+    async def pause(self) -> tuple[list[Generation], list[Generation]]:
+        """Partials of every episode in flight (environment steps held as pending actions) and ended ones."""
+        await self._stop_engine_wait()
+        first_prompts = [rid for rid in self._stepping if rid not in self._turns and rid not in self._held]
+        self._held.update(first_prompts)
+        partials = []
+        for rid in first_prompts:  # a reset is short: let it finish and hold the first prompt as a partial
+            await asyncio.wait([self._stepping[rid]])
+            self._held.discard(rid)
+            result = self._stepping.pop(rid).result()
+            if isinstance(result, Generation):
+                partials.append(result)
+            else:
+                self._end(self._empty(rid), "env_error", "env_error", result.failure)
+        engine_partials, finished = await self.inner.pause()
+        self._on_turns(finished)
+        partials += [replace(p, episode=self._states.get(p.request_id)) for p in engine_partials]
+        for rid in [r for r in self._stepping if r not in self._held]:
+            self._held.add(rid)
+            row = self._turns[rid]
+            action = self.env.renderer.action_text(last_turn(row))
+            partials.append(replace(row, finish_reason="abort", episode=replace(self._states[rid], pending=action)))
+        done, self._completed = self._completed, []
+        return partials, done
+
+    async def resume(self, partials: Sequence[Generation]) -> None:
+        """Continue paused episodes under the current weights, in the given order."""
+        engine = [p for p in partials if (p.episode is None or p.episode.pending is None)
+                  and p.request_id not in self._stepping]
+        for partial in partials:
+            if partial.request_id not in self._prompts:
+                raise KeyError(f"resume: {partial.request_id} was not started here; restore() it with its prompt")
+            if partial.episode is not None:
+                self._states[partial.request_id] = replace(partial.episode, pending=None)
+                self._reopen(partial)
+        await self.inner.resume(engine)
+        self._wake.set()
+        for partial in partials:
+            if partial not in engine:
+                self._continue(partial)
+
+    def restore(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        """Before resume() of a checkpoint's partial: what the episode is about."""
+        self._prompts[request_id], self._params[request_id] = prompt, params
+
+    def _reopen(self, partial: Generation) -> None:
+        """An episode whose environment this pool no longer holds (restored, or aborted earlier) replays it."""
+        rid = partial.request_id
+        if rid not in self._stepping and not self.env.pool.has(rid):
+            self.env.pool.attach(rid, self._prompts[rid], partial.episode.seed, partial.episode.actions)
+
+    async def abort(self, request_ids: Sequence[str]) -> list[Generation]:
+        """Cancel episodes; their partials come back, their environments are closed (a later start replays)."""
+        resets = [rid for rid in request_ids if rid in self._stepping and rid not in self._turns]
+        self._held.update(resets)
+        for rid in resets:  # a reset is short: let it finish, so the partial holds the first prompt
+            await asyncio.wait([self._stepping[rid]])
+        stepping = [rid for rid in request_ids if rid in self._stepping]
+        partials = {p.request_id: replace(p, episode=self._states.get(p.request_id))
+                    for p in await self.inner.abort([r for r in request_ids if r not in self._stepping])}
+        for rid in stepping:
+            task, row = self._stepping.pop(rid), self._turns.pop(rid, None)
+            self._held.discard(rid)
+            if row is not None:
+                task.cancel()
+            if row is not None:
+                action = self.env.renderer.action_text(last_turn(row))
+                partials[rid] = replace(row, finish_reason="abort", episode=replace(self._states[rid], pending=action))
+            elif not task.cancelled() and isinstance(task.result(), Generation):
+                partials[rid] = task.result()
+            else:  # the reset failed: the episode ends here, reported as ended
+                self._end(self._empty(rid), "env_error", "env_error", task.result().failure)
+        for rid in request_ids:
+            if self.env is not None:
+                self.env.pool.close(rid)
+            self._states.pop(rid, None)
+        return [partials[rid] for rid in request_ids if rid in partials]
+
+    # ---- verdicts ----------------------------------------------------------------------------------------
+
+    async def judge(self, generations: Sequence[Generation]) -> list[Verdict]:
+        """Each ended episode's verdict: the verifier on its final turn, the environment's reward, or both."""
+        prompts = [self._prompts.pop(g.request_id) for g in generations]
+        for g in generations:
+            self._params.pop(g.request_id, None)
+        if self.env is None:
+            return await self.inner.score([(self.episodes.completion_text(g), p) for g, p in zip(generations, prompts)])
+        asks = [i for i, g in enumerate(generations) if self.settings.reward != "env" and g.finish_reason != "env_error"]
+        scored = await self.inner.score([(self.env.renderer.action_text(last_turn(generations[i])), prompts[i])
+                                         for i in asks])
+        by_index = dict(zip(asks, scored))
+        return [episode_verdict(g.episode, by_index.get(i), self.settings.reward) for i, g in enumerate(generations)]
+
+
+def episode_verdict(state: EpisodeState, verifier: Verdict | None, source: RewardSource) -> Verdict:
+    """Combine the environment's rewards and the verifier's verdict per env.reward; a failed environment
+    scores 0 with its reason (env_timeout, env_crash: ..., env_error: ...)."""
+    if state.end is not None and state.end.startswith("env_"):
+        return Verdict(reward=0.0, passed=False, reason=state.end)
+    env_reward = sum(state.rewards)
+    env_passed = state.success if state.success is not None else env_reward > 0
+    if source == "env" or verifier is None:
+        return Verdict(reward=env_reward, passed=bool(env_passed), reason="ok" if env_passed else "failed")
+    if source == "verifier":
+        return verifier
+    return replace(verifier, reward=verifier.reward + env_reward, passed=verifier.passed and state.success is not False)

@@ -1,0 +1,127 @@
+"""The environment protocol of multi-turn episodes, and how a recipe names an environment.
+
+An episode: `reset(prompt, seed)` gives the first observation (appended to the prompt), then each model
+turn's text goes to `step(action)`, whose observation is appended to the same token row as forced tokens,
+until `done` or a budget ends the episode. Environments are deterministic functions of (prompt, seed,
+actions so far): that is what lets a checkpoint hold an in-flight episode as its recorded actions and a
+resume rebuild it by replaying them into a freshly reset environment.
+
+Environments run in worker processes (envs/pool.py), so everything here must pickle: the options, the
+observations and `info`. `env.kind` names a built-in (ENV_KINDS) or user code, `path/to/my_env.py:MyEnv`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from flashreinforce.types import Prompt
+
+Message = dict[str, str]
+"""A chat message, {"role": ..., "content": ...}."""
+Observation = str | list[Message]
+"""Plain text, or messages: several tool results of one step are rendered together (one user turn in a
+Qwen-style template, not one per result: slime #2263)."""
+
+
+class StepResult(NamedTuple):
+    """What `Env.step` returns; a plain (observation, reward, done, info) tuple is accepted too."""
+
+    observation: Observation
+    reward: float = 0.0
+    done: bool = False
+    info: Mapping[str, Any] = {}
+    """`success` (bool), when given, is the episode's pass/fail flag (the entropy filter's failure flag);
+    otherwise an episode passed when its total reward is > 0."""
+
+
+@runtime_checkable
+class Env(Protocol):
+    def reset(self, prompt: Prompt, seed: int) -> Observation:
+        """Start an episode for `prompt`; `seed` fixes every random choice (a resume replays from it)."""
+        ...
+
+    def step(self, action: str) -> StepResult | tuple:
+        """Apply one model turn (its decoded text, end-of-turn token removed)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """Which environment to build in a worker: `kind` from ENV_KINDS or `file.py:Class`, with its options."""
+
+    kind: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    base_dir: str = "."
+    """Directory a relative `file.py:Class` is resolved against (the recipe's)."""
+
+
+ENV_KINDS: dict[str, str] = {
+    "python_tool": "flashreinforce.envs.python_tool:PythonToolEnv",
+    "text_game": "flashreinforce.envs.text_game:TextGameEnv",
+    "textworld": "flashreinforce.envs.textworld_env:TextWorldEnv",
+    "alfworld": "flashreinforce.envs.textworld_env:ALFWorldEnv",
+}
+"""Built-in multi-turn environments (module:class, imported in the worker that runs them)."""
+
+
+def is_user_env(kind: str) -> bool:
+    return ".py:" in kind
+
+
+def resolve_env_class(spec: EnvSpec) -> type:
+    """The class `spec.kind` names; errors say what to write instead."""
+    target = ENV_KINDS.get(spec.kind)
+    if target is None and not is_user_env(spec.kind):
+        raise ValueError(f"env.kind={spec.kind!r} is not a known environment ({', '.join(['math', *ENV_KINDS])}) "
+                         "nor user code; write env.kind=path/to/my_env.py:MyEnv")
+    if target is not None:
+        module_name, _, class_name = target.partition(":")
+        module = importlib.import_module(module_name)
+    else:
+        file, _, class_name = spec.kind.rpartition(":")
+        path = (Path(spec.base_dir) / file).resolve()
+        if not path.is_file():
+            raise ValueError(f"env.kind={spec.kind!r}: no file {path}")
+        module_name = f"flashreinforce_user_env_{abs(hash(str(path)))}"
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module
+        loader_spec.loader.exec_module(module)
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"env.kind={spec.kind!r}: {module.__name__} has no class {class_name!r}")
+    missing = [m for m in ("reset", "step", "close") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"env.kind={spec.kind!r}: {class_name} lacks {', '.join(missing)} "
+                         "(an Env has reset(prompt, seed), step(action) and close())")
+    return cls
+
+
+def build_env(spec: EnvSpec) -> Env:
+    """An instance with the spec's options as keyword arguments; a bad option names the class and the option."""
+    cls = resolve_env_class(spec)
+    try:
+        return cls(**dict(spec.options))
+    except TypeError as error:
+        raise ValueError(f"env.options for {spec.kind!r} do not fit {cls.__name__}: {error}") from error
+
+
+def as_step_result(value: Any, kind: str) -> StepResult:
+    """Coerce what a user's step returned; a wrong shape is the environment's error, named."""
+    if isinstance(value, StepResult):
+        return value
+    if isinstance(value, tuple) and len(value) == 4:
+        observation, reward, done, info = value
+        if isinstance(observation, (str, list)) and isinstance(reward, (int, float)) and isinstance(done, bool):
+            return StepResult(observation, float(reward), done, dict(info or {}))
+    raise TypeError(f"{kind}.step returned {type(value).__name__} {value!r:.120}; it must return "
+                    "(observation: str | list of messages, reward: float, done: bool, info: dict)")
