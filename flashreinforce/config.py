@@ -62,15 +62,46 @@ class ArithmeticConfig(_Section):
     """Seed of the generated problems (independent of the run seed, so runs share data)."""
 
 
+class ToolMultiplyConfig(_Section):
+    num_train: int = Field(20000, ge=1)
+    """Training problems a*b generated."""
+    num_eval: int = Field(256, ge=1)
+    """Held-out problems (disjoint from training)."""
+    digits: tuple[int, int] = (3, 3)
+    """Most digits of a and of b (each has at least 2)."""
+    seed: int = 1234
+    """Seed of the generated problems."""
+
+
+class TextGameDataConfig(_Section):
+    num_train: int = Field(4000, ge=1)
+    """Training layouts (prompts) of the built-in text game."""
+    num_eval: int = Field(256, ge=1)
+    """Held-out layouts (never in training)."""
+    rooms: int = Field(4, ge=2, le=8)
+    """Rooms per layout."""
+    locked_doors: int = Field(1, ge=0, le=3)
+    """Locked doors on the way to the goal (each with its key on the near side)."""
+    distractors: int = Field(1, ge=0, le=4)
+    """Objects that do nothing."""
+    seed: int = 1234
+    """Seed of the layouts."""
+
+
 class DataConfig(_Section):
-    kind: Literal["arithmetic", "files"] = "arithmetic"
-    """arithmetic: the built-in synthetic task. files: `train` / `eval` in the common RL format."""
+    kind: Literal["arithmetic", "files", "tool_multiply", "text_game"] = "arithmetic"
+    """arithmetic: the built-in synthetic task. files: `train` / `eval` in the common RL format. tool_multiply /
+    text_game: the built-in agent tasks (with env.kind=python_tool / text_game)."""
     train: str | None = None
     """Training data (.jsonl, .parquet, or a `datasets.save_to_disk` directory) when kind=files."""
     eval: str | None = None
     """Held-out data when kind=files."""
     arithmetic: ArithmeticConfig = ArithmeticConfig()
     """The synthetic task's settings when kind=arithmetic."""
+    tool_multiply: ToolMultiplyConfig = ToolMultiplyConfig()
+    """The tool task's settings when kind=tool_multiply."""
+    text_game: TextGameDataConfig = TextGameDataConfig()
+    """The text game's layouts when kind=text_game."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed row stops the run with its file and row number (error) or is skipped and counted."""
     shuffle_seed: int = 0
@@ -84,10 +115,37 @@ class DataConfig(_Section):
 
 
 class EnvConfig(_Section):
-    kind: Literal["math", "python_tool", "alfworld"] = "math"
-    """math: single-turn answer checking. python_tool / alfworld: multi-turn agents (GPU recipes)."""
+    kind: str = "math"
+    """math: single-turn answer checking. Multi-turn: python_tool (code in a sandbox), text_game (built in),
+    textworld, alfworld (extras), or your own class, `path/to/my_env.py:MyEnv` (relative to the recipe's
+    directory or the working directory)."""
+    options: dict[str, Any] = {}
+    """Keyword arguments of the environment's constructor."""
     max_turns: int = Field(1, ge=1)
-    """Most model turns per episode."""
+    """Most model turns per episode; an episode that uses them all ends with finish reason "turns"."""
+    reward: Literal["env", "verifier", "both"] = "verifier"
+    """env: the environment's summed rewards; verifier: the verifier on the final turn's text; both: the sum."""
+    role: Literal["user", "tool"] = "user"
+    """Chat prompts: the role observations are rendered as (the template's suffix for one more message)."""
+    stop_strings: list[str] = []
+    """Strings that end a model turn (besides EOS), e.g. "</code>"; the environment then steps."""
+    observation_suffix: str = "\n"
+    """Plain-text prompts: appended to each observation (the cue for the next turn)."""
+    max_observation_chars: int = Field(4000, ge=16)
+    """Longer observations keep their head and say how much was cut."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one reset or step; an overrun kills the worker and ends the episode (env_timeout)."""
+    min_workers: int = Field(1, ge=1)
+    """Environment worker processes kept alive."""
+    max_workers: int = Field(4, ge=1)
+    """The pool grows to this many when every worker is busy (each one holds many episodes)."""
+    max_prompt_tokens: int = Field(512, ge=1)
+    """Context kept for an episode's first prompt (the task and the reset observation) on top of
+    rollout.max_new_tokens, which every later turn and observation share."""
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.kind != "math"
 
 
 class SFTConfig(_Section):
@@ -100,6 +158,12 @@ class SFTConfig(_Section):
     carry_drop: float = Field(0.6, ge=0, le=1)
     """Probability that a worked step of the SFT traces drops its carry, so the warm start is imperfect
     (about 40% held-out accuracy) and RL has something to fix."""
+    tool_rate: float = Field(0.4, ge=0, le=1)
+    """tool_multiply: share of warm-start traces that call the tool (the rest answer mentally)."""
+    wrong_code_rate: float = Field(0.3, ge=0, le=1)
+    """tool_multiply: share of tool traces whose code computes the wrong thing."""
+    expert_error_rate: float = Field(0.3, ge=0, le=1)
+    """text_game: probability that a warm-start trace's turn is a wrong action instead of the expert's."""
 
 
 class RolloutConfig(_Section):
@@ -307,9 +371,13 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        if self.model.path is None and self.data.kind != "arithmetic":
+        if self.model.path is None and self.data.kind == "files":
             raise ValueError("model.path is required with data.kind=files (the built-in tiny model only knows the "
-                             "arithmetic task's tokenizer)")
+                             "built-in tasks' tokenizers)")
+        task_env = {"tool_multiply": "python_tool", "text_game": "text_game"}.get(self.data.kind)
+        if task_env is not None and self.env.kind != task_env:
+            raise ValueError(f"data.kind={self.data.kind} is an agent task: set env.kind={task_env} (it is "
+                             f"{self.env.kind!r})")
         # With one rollout per prompt a group baseline makes every advantage exactly zero: refuse it loudly.
         if self.algo.loss not in SINGLE_ROLLOUT_LOSSES and self.scheduler.group_size == 1:
             raise ValueError(f"algo.loss={self.algo.loss} compares rollouts of the same prompt: set "

@@ -26,7 +26,14 @@ from flashreinforce.envs.protocol import StepResult
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.envs.turns import TurnRenderer
 from flashreinforce.rollout.engine import append_forced_tokens
-from flashreinforce.types import EpisodeState, FinishReason, Generation, Prompt, SamplingParams, Verdict
+from flashreinforce.types import (
+    EpisodeState,
+    FinishReason,
+    Generation,
+    Prompt,
+    SamplingParams,
+    Verdict,
+)
 
 RewardSource = Literal["env", "verifier", "both"]
 

@@ -159,12 +159,17 @@ class EnvPool:
             worker.conn.send(message)
             await asyncio.wait_for(readable, timeout)
             kind, value = worker.conn.recv()
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             self._lose(worker)
             return EnvOutcome(failure="env_timeout")
         except (EOFError, OSError):
             self._lose(worker)
             return EnvOutcome(failure=f"env_crash: {_died(worker.proc.returncode)}")
+        except asyncio.CancelledError:
+            # the worker goes on with the call, and its answer would be read as the next call's: end it (its
+            # sessions replay elsewhere)
+            self._lose(worker)
+            raise
         finally:
             with contextlib.suppress(ValueError, OSError):
                 loop.remove_reader(fd)

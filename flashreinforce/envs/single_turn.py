@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from flashreinforce.types import FORCED_VERSION, Generation, Prompt, RolloutKey, Trajectory, Verdict
+from flashreinforce.types import (
+    FORCED_VERSION,
+    Generation,
+    Prompt,
+    RolloutKey,
+    Trajectory,
+    Verdict,
+)
 
 
 class TextEpisodes:

@@ -48,8 +48,12 @@ def cut_text(text: str, limit: int) -> str:
 class TurnRenderer:
     """Renders first prompts and observations for one tokenizer; chat mode for chat-message prompts."""
 
-    def __init__(self, tokenizer: Any, *, role: str = "user", max_observation_chars: int = 4000) -> None:
+    def __init__(self, tokenizer: Any, *, role: str = "user", max_observation_chars: int = 4000,
+                 observation_suffix: str = "\n") -> None:
         self.tokenizer, self.role, self.max_observation_chars = tokenizer, role, max_observation_chars
+        self.observation_suffix = observation_suffix
+        """Plain text: what follows each observation (and a first observation follows the prompt after a
+        newline), so the model reads where its next turn starts."""
         self._drop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
         self._close_id: int | None = None
         self._separator: list[int] = []
@@ -86,7 +90,8 @@ class TurnRenderer:
         """The first turn's prompt ids: the task and the reset observation; the conversation in chat mode."""
         text = cut_text(as_text(observation), self.max_observation_chars)
         if isinstance(prompt.prompt, str):
-            ids = self.tokenizer.encode(prompt.prompt + text, add_special_tokens=False)
+            first = f"\n{text}{self.observation_suffix}" if text else ""
+            ids = self.tokenizer.encode(prompt.prompt + first, add_special_tokens=False)
             conversation = None
         else:
             if not self.tokenizer.chat_template:
@@ -109,8 +114,8 @@ class TurnRenderer:
                         observation: Observation) -> tuple[list[int], tuple[Message, ...] | None]:
         """Forced ids that follow the sampled turn `turn_ids`, and the conversation after this step."""
         if conversation is None:
-            return self.tokenizer.encode(cut_text(as_text(observation), self.max_observation_chars),
-                                         add_special_tokens=False), None
+            text = cut_text(as_text(observation), self.max_observation_chars) + self.observation_suffix
+            return self.tokenizer.encode(text, add_special_tokens=False), None
         messages = [dict(m, content=cut_text(m["content"], self.max_observation_chars))
                     for m in as_messages(observation, self.role)]
         history = [*conversation, {"role": "assistant", "content": self.action_text(turn_ids)}]

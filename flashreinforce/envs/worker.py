@@ -30,7 +30,7 @@ def main(fd: int, pool_pid: int) -> None:
     sys.path[:] = sys_path
     try:
         build_env(spec).close()  # fail at start, with the reason, not at the first episode
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - any failure of user code is reported, not raised
         conn.send(("load_error", _describe(error)))
         return
     conn.send(("ready", None))
@@ -46,7 +46,7 @@ def main(fd: int, pool_pid: int) -> None:
             continue
         try:
             reply = ("ok", _open(envs, spec, *message[1:]) if kind == "open" else _step(envs, spec, sid, message[2]))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - an environment's error ends its episode, not the worker
             _close(envs.pop(sid, None))
             reply = ("error", _describe(error))
         conn.send(reply)

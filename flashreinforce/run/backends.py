@@ -11,11 +11,20 @@ from typing import Any
 
 from flashreinforce.config import RunConfig
 from flashreinforce.controller.backend import Backend
+from flashreinforce.controller.episodes import EpisodeBackend, EpisodeSettings
 from flashreinforce.controller.local import LocalBackend
+from flashreinforce.envs.pool import EnvPool
+from flashreinforce.envs.protocol import (
+    ENV_KINDS,
+    EnvSpec,
+    is_user_env,
+    resolve_env_class,
+)
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.run.engines import ENGINES
 from flashreinforce.run.tables import pick_builder
+from flashreinforce.run.tasks import renderer_for
 from flashreinforce.verifiers.pool import VerifierPool
 
 
@@ -30,6 +39,8 @@ BACKENDS: dict[str, Callable[..., Backend]] = {
 
 ENVS: dict[str, Callable[[Any], TextEpisodes]] = {
     "math": TextEpisodes,  # single-turn: prompt -> one completion -> the verifier's verdict
+    # multi-turn: the prompts render the same way; their environments run in an EnvPool (build_env_pool)
+    **{kind: TextEpisodes for kind in ENV_KINDS},
 }
 
 
@@ -38,7 +49,32 @@ def build_backend(config: RunConfig, engine: Engine, trainer: Any, pool: Verifie
 
 
 def build_episodes(config: RunConfig, tokenizer: Any) -> TextEpisodes:
+    if is_user_env(config.env.kind):
+        return TextEpisodes(tokenizer)
     return pick_builder(ENVS, "env.kind", config.env.kind)(tokenizer)
+
+
+def env_spec(config: RunConfig) -> EnvSpec:
+    return EnvSpec(kind=config.env.kind, options=dict(config.env.options))
+
+
+def build_env_pool(config: RunConfig) -> EnvPool | None:
+    """Worker processes for a multi-turn run's environments (None for single-turn); started by the caller."""
+    if not config.env.multi_turn:
+        return None
+    env = config.env
+    return EnvPool(env_spec(config), step_timeout_s=env.step_timeout_s, min_workers=env.min_workers,
+                   max_workers=max(env.min_workers, env.max_workers))
+
+
+def build_episode_backend(config: RunConfig, backend: Backend, episodes: TextEpisodes, env_pool: EnvPool | None,
+                          max_context: int) -> EpisodeBackend:
+    """Episodes over the backend: single-turn, or multi-turn over env_pool with the config's budgets."""
+    env = config.env
+    renderer = renderer_for(config, episodes.tokenizer) if env_pool is not None else None
+    return EpisodeBackend(backend, episodes, pool=env_pool, renderer=renderer,
+                          settings=EpisodeSettings(max_turns=env.max_turns, reward=env.reward,
+                                                   max_context=max_context, lockstep=config.deterministic))
 
 
 def build_verifier_pool(config: RunConfig) -> VerifierPool:
@@ -51,4 +87,7 @@ def check_buildable(config: RunConfig) -> None:
     """Fail before any work when the config names a part this build has no builder for, saying so."""
     pick_builder(ENGINES, "rollout.engine", config.rollout.engine)
     pick_builder(BACKENDS, "backend.kind", config.backend.kind)
-    pick_builder(ENVS, "env.kind", config.env.kind)
+    if config.env.multi_turn:
+        resolve_env_class(env_spec(config))  # a missing extra or a bad user file fails now, saying which
+    else:
+        pick_builder(ENVS, "env.kind", config.env.kind)

@@ -1,11 +1,10 @@
-"""The run's prompts: the built-in arithmetic task, or train/eval files in the common RL format."""
+"""The run's prompts: a built-in task (run/tasks.py), or train/eval files in the common RL format."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from flashreinforce.config import RunConfig
-from flashreinforce.data.arithmetic import make_arithmetic_splits
 from flashreinforce.data.loaders import load_prompts
 from flashreinforce.types import Prompt
 
@@ -19,12 +18,13 @@ class Data:
 
 
 def load_data(config: RunConfig) -> Data:
-    if config.data.kind == "arithmetic":
-        settings = config.data.arithmetic
-        splits = make_arithmetic_splits(
-            settings.num_train, settings.num_eval, seed=settings.seed, digit_weights=settings.digit_weights
-        )
-        return Data(train=splits.train, eval=splits.eval, skipped_rows=0)
+    from flashreinforce.run.tasks import (
+        TASKS,  # tasks renders traces with the policy's tokenizer: above data
+    )
+
+    if config.data.kind in TASKS:
+        train, held_out = TASKS[config.data.kind].splits(config)
+        return Data(train=train, eval=held_out, skipped_rows=0)
     train = load_prompts(config.data.train, on_bad_row=config.data.on_bad_row)
     held_out = load_prompts(config.data.eval, on_bad_row=config.data.on_bad_row)
     return Data(train=train.prompts, eval=held_out.prompts, skipped_rows=len(train.skipped) + len(held_out.skipped))

@@ -61,6 +61,8 @@ def longest_prompt(config: RunConfig, episodes: TextEpisodes, data: Data) -> int
     """Tokens the engine's context must hold before the generation budget: AHRL hints included, so a hinted
     rollout still gets rollout.max_new_tokens new tokens."""
     longest = longest_rendered(episodes, [*data.train, *data.eval])
+    if config.env.multi_turn:  # the first prompt holds the reset observation too: reserve what the config says
+        longest = max(longest, config.env.max_prompt_tokens)
     hints = config.algo.hints
     if hints is None:
         return longest
@@ -76,10 +78,11 @@ def rollout_params(config: RunConfig) -> SamplingParams:
     """Sampling of training rollouts; each request gets its own seed from the loop."""
     rollout = config.rollout
     return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                          top_k=rollout.top_k, top_p=rollout.top_p)
+                          top_k=rollout.top_k, top_p=rollout.top_p, stop_strings=tuple(config.env.stop_strings))
 
 
 def eval_params(config: RunConfig, max_new_tokens: int | None = None) -> SamplingParams:
     """Sampling of held-out evaluation (eval.temperature / eval.top_p, the rollout's budget by default)."""
     return SamplingParams(max_new_tokens=max_new_tokens or config.rollout.max_new_tokens,
-                          temperature=config.eval.temperature, top_p=config.eval.top_p)
+                          temperature=config.eval.temperature, top_p=config.eval.top_p,
+                          stop_strings=tuple(config.env.stop_strings))

@@ -12,7 +12,12 @@ from flashreinforce.controller.local import LocalBackend
 from flashreinforce.data.loaders import load_prompts
 from flashreinforce.eval.evaluate import evaluate
 from flashreinforce.models.causal_lm import model_dir_problem
-from flashreinforce.run.backends import build_episodes, build_verifier_pool
+from flashreinforce.run.backends import (
+    build_env_pool,
+    build_episode_backend,
+    build_episodes,
+    build_verifier_pool,
+)
 from flashreinforce.run.data import load_data
 from flashreinforce.run.directory import read_run_config
 from flashreinforce.run.engines import EngineShape, build_engine, longest_rendered
@@ -66,17 +71,29 @@ def evaluate_checkpoint(request: EvalRequest) -> dict:
     prompts = load_prompts(request.data).prompts if request.data is not None else load_data(config).eval
     prompts = prompts[: request.num_prompts or config.eval.num_prompts]
     params = SamplingParams(max_new_tokens=request.max_new_tokens or config.rollout.max_new_tokens,
-                            temperature=request.temperature, top_p=request.top_p)
+                            temperature=request.temperature, top_p=request.top_p,
+                            stop_strings=tuple(config.env.stop_strings))
     policy = load_policy(model_dir, dtype=config.model.dtype)
     episodes = build_episodes(config, policy.tokenizer)
-    engine = build_engine(config, policy, EngineShape(longest_rendered(episodes, prompts), params.max_new_tokens,
-                                                      version=0, seed=request.seed))
+    longest = longest_rendered(episodes, prompts)
+    if config.env.multi_turn:
+        longest = max(longest, config.env.max_prompt_tokens)
+    shape = EngineShape(longest, params.max_new_tokens, version=0, seed=request.seed)
+    engine = build_engine(config, policy, shape)
 
     async def run() -> dict:
         with build_verifier_pool(config) as pool:
-            backend = LocalBackend(engine, None, pool, policy.tokenizer, overlap=False)
-            report = await evaluate(backend, episodes, prompts, k=request.k, params=params, seed=request.seed)
-            await backend.close()
+            env_pool = build_env_pool(config)
+            inner = LocalBackend(engine, None, pool, policy.tokenizer, overlap=False)
+            backend = build_episode_backend(config, inner, episodes, env_pool, shape.context)
+            try:
+                if env_pool is not None:
+                    await env_pool.start()
+                report = await evaluate(backend, episodes, prompts, k=request.k, params=params, seed=request.seed)
+            finally:
+                await backend.close()
+                if env_pool is not None:
+                    await env_pool.aclose()
         print(f"{model_dir}: {report.describe()}")
         return {"model": str(model_dir), **report.metrics(), "k": request.k, "num_prompts": len(prompts),
                 "temperature": request.temperature, "top_p": request.top_p, "max_new_tokens": params.max_new_tokens}

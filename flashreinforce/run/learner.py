@@ -5,7 +5,12 @@ from __future__ import annotations
 from flashreinforce.config import RunConfig
 from flashreinforce.run.policy import Policy
 from flashreinforce.trainer.process import TrainerProcess
-from flashreinforce.trainer.trainer import OptimizerSettings, OverlongShaping, Trainer, WPSMSettings
+from flashreinforce.trainer.trainer import (
+    OptimizerSettings,
+    OverlongShaping,
+    Trainer,
+    WPSMSettings,
+)
 
 
 def build_trainer(config: RunConfig, model, tokenizer) -> Trainer:

@@ -14,12 +14,11 @@ import numpy as np
 import torch
 
 from flashreinforce.config import RunConfig
-from flashreinforce.data.arithmetic import ALPHABET, THINK_CLOSE, THINK_OPEN, render_target
-from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.metrics.console import Reporter
 from flashreinforce.models import build_char_tokenizer, build_model, load_model
 from flashreinforce.models.causal_lm import check_model_dir
 from flashreinforce.run.data import Data
+from flashreinforce.run.tasks import TASKS
 from flashreinforce.trainer.sft import sft_warm_start
 
 
@@ -67,10 +66,10 @@ def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporte
 
 
 def tiny_policy(config: RunConfig) -> Policy:
-    """The arithmetic task's characters, one token each, plus the think tags as single special tokens; a small
-    Qwen2-style model of model.tiny's shape."""
-    tokenizer = build_char_tokenizer("".join(c for c in ALPHABET if c not in (THINK_OPEN, THINK_CLOSE)),
-                                     special_tokens=("<pad>", "<eos>", "<unk>", THINK_OPEN, THINK_CLOSE))
+    """The task's characters, one token each, plus its tags as single special tokens; a small Qwen2-style
+    model of model.tiny's shape."""
+    task = TASKS[config.data.kind]
+    tokenizer = build_char_tokenizer(task.alphabet, special_tokens=("<pad>", "<eos>", "<unk>", *task.special_tokens))
     tiny = config.model.tiny
     model = build_model(len(tokenizer), tiny.hidden_size, tiny.num_layers, tiny.num_heads,
                         tiny.max_position_embeddings, pad_token_id=tokenizer.pad_token_id,
@@ -79,12 +78,9 @@ def tiny_policy(config: RunConfig) -> Policy:
 
 
 def warm_start(config: RunConfig, data: Data, policy: Policy, reporter: Reporter) -> None:
-    """SFT on the task's worked traces, with sft.carry_drop of the carries dropped (an imperfect start)."""
-    tokenizer, episodes, rng = policy.tokenizer, TextEpisodes(policy.tokenizer), random.Random(config.seed)
-    examples = [(episodes.prompt_ids(item),
-                 [*tokenizer.encode(render_target(item, carry_drop=config.sft.carry_drop, rng=rng),
-                                    add_special_tokens=False), tokenizer.eos_token_id])
-                for item in data.train]
+    """SFT on the task's imperfect demonstrations (run/tasks.py)."""
+    tokenizer = policy.tokenizer
+    examples = TASKS[config.data.kind].sft_examples(config, tokenizer, data.train)
     started = time.perf_counter()
     with reporter.task("SFT warm start", total=config.sft.steps) as advance:
         sft_warm_start(policy.model, examples, steps=config.sft.steps, batch_size=config.sft.batch_size,

@@ -23,17 +23,29 @@ import transformers
 
 from flashreinforce.buffer import Scheduler
 from flashreinforce.config import RunConfig
-from flashreinforce.controller.backend import Backend
+from flashreinforce.controller.episodes import EpisodeBackend
 from flashreinforce.controller.loop import LoopSettings, RLLoop
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.metrics.console import Reporter
 from flashreinforce.metrics.plots import plot_run
 from flashreinforce.metrics.sink import MetricsSink
 from flashreinforce.run.ahrl import build_hints
-from flashreinforce.run.backends import build_backend, build_episodes, build_verifier_pool, check_buildable
+from flashreinforce.run.backends import (
+    build_backend,
+    build_env_pool,
+    build_episode_backend,
+    build_episodes,
+    build_verifier_pool,
+    check_buildable,
+)
 from flashreinforce.run.data import Data, load_data
 from flashreinforce.run.directory import create_run_dir, read_json, write_json_atomic
-from flashreinforce.run.engines import EngineShape, build_engine, longest_prompt, rollout_params
+from flashreinforce.run.engines import (
+    EngineShape,
+    build_engine,
+    longest_prompt,
+    rollout_params,
+)
 from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
 from flashreinforce.run.learner import start_trainer
 from flashreinforce.run.policy import Policy, build_policy, load_policy, seed_everything
@@ -89,7 +101,7 @@ class RunParts:
     pool: VerifierPool
     sink: MetricsSink
     trainer: Any
-    backend: Backend
+    backend: EpisodeBackend
 
 
 def starting_point(config: RunConfig, run_dir: Path, data: Data, resume: bool, reporter: Reporter) -> Start:
@@ -121,7 +133,11 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
     stack.callback(sink.close)
     trainer = start_trainer(config, start.policy)
     stack.callback(trainer.close)
-    backend = build_backend(config, engine, trainer, pool, start.policy.tokenizer)
+    env_pool = build_env_pool(config)
+    if env_pool is not None:
+        stack.push_async_callback(env_pool.aclose)
+    backend = build_episode_backend(config, build_backend(config, engine, trainer, pool, start.policy.tokenizer),
+                                    episodes, env_pool, shape.context)
     stack.push_async_callback(backend.close)
     if start.trainer_state is not None:
         trainer.load_state_dict(start.trainer_state)
@@ -134,6 +150,8 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
     start = starting_point(config, run_dir, data, resume, reporter)
     async with contextlib.AsyncExitStack() as stack:
         parts = open_parts(config, run_dir, data, start, resume, stack)
+        if parts.backend.env is not None:
+            await parts.backend.env.pool.start()  # an environment that cannot be built fails here, saying why
         held_out = HeldOut(config, parts.backend, parts.episodes, data.eval)
         initial = await initial_evaluation(parts, held_out, reporter)
         writer = CheckpointWriter(config, run_dir, parts.backend, parts.trainer,
@@ -205,4 +223,6 @@ def summarize(parts: RunParts, initial: dict[str, float], final: dict[str, float
         "unfinished_at_end": ledger["outstanding"],
         "skipped_data_rows": parts.data.skipped_rows,
         "verifier": parts.pool.stats(),
+        **{f"{when}_{name}": metrics[f"eval/{name}"] for when, metrics in (("initial", initial), ("final", final))
+           for name in ("turns", "tool_calls") if f"eval/{name}" in metrics},
     }

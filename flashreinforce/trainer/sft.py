@@ -15,7 +15,7 @@ from flashreinforce.trainer.precision import MasterWeights
 
 def sft_warm_start(
     model: torch.nn.Module,
-    examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+    examples: Sequence[tuple[Sequence[int], Sequence[int]] | tuple[Sequence[int], Sequence[int], Sequence[int]]],
     *,
     steps: int,
     batch_size: int,
@@ -24,7 +24,10 @@ def sft_warm_start(
     pad_token_id: int,
     on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """Train on (prompt_ids, completion_ids) pairs; returns the loss of each step.
+    """Train on (prompt_ids, completion_ids[, completion_mask]) examples; returns the loss of each step.
+
+    A completion mask (1 = a target) leaves forced tokens of multi-turn traces (observations) untrained, as
+    RL's loss_mask does.
 
     Batches are drawn with replacement from a seeded generator, so the warm start is reproducible.
     """
@@ -38,15 +41,16 @@ def sft_warm_start(
     for step in range(steps):
         picks = torch.randint(len(examples), (batch_size,), generator=generator).tolist()
         rows = [(list(examples[i][0]), list(examples[i][1])) for i in picks]
+        masks = [list(examples[i][2]) if len(examples[i]) > 2 else [1] * len(examples[i][1]) for i in picks]
         width = max(len(p) + len(c) for p, c in rows)
         input_ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)  # (B, T)
         attention_mask = torch.zeros((batch_size, width), dtype=torch.bool)
         target_mask = torch.zeros((batch_size, width), dtype=torch.bool)
-        for row, (prompt, completion) in enumerate(rows):
+        for row, ((prompt, completion), mask) in enumerate(zip(rows, masks)):
             n = len(prompt) + len(completion)
             input_ids[row, :n] = torch.tensor(prompt + completion)
             attention_mask[row, :n] = True
-            target_mask[row, len(prompt):n] = True
+            target_mask[row, len(prompt):n] = torch.tensor(mask, dtype=torch.bool)
         logprobs, _ = token_logprobs(model, input_ids, attention_mask, with_entropy=False)
         loss = -(logprobs * target_mask).sum() / target_mask.sum()
         model.zero_grad(set_to_none=True)  # the masters' grads are assigned whole by grads_to_masters

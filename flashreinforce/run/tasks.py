@@ -1,0 +1,101 @@
+"""The built-in tasks by `data.kind`: their prompts, the tiny model's tokenizer, and the warm-start traces.
+
+A task gives train / held-out prompts, the characters and special tokens of the character tokenizer the tiny
+model is built with, and SFT examples: imperfect demonstrations, so RL has something to fix. Agent tasks'
+demonstrations are whole episodes, rendered by the same TurnRenderer as the rollouts (envs/traces.py).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from flashreinforce.config import RunConfig
+from flashreinforce.data import arithmetic, tool_multiply
+from flashreinforce.envs import text_game
+from flashreinforce.envs.single_turn import TextEpisodes
+from flashreinforce.envs.traces import trace_row
+from flashreinforce.envs.turns import TurnRenderer
+from flashreinforce.types import Prompt
+
+Example = tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]
+
+
+@dataclass(frozen=True)
+class Task:
+    alphabet: str
+    special_tokens: tuple[str, ...]
+    """Whole-word tokens of the character tokenizer, after <pad> <eos> <unk>."""
+    splits: Callable[[RunConfig], tuple[list[Prompt], list[Prompt]]]
+    sft_examples: Callable[[RunConfig, Any, list[Prompt]], list[Example]]
+
+
+def _arithmetic_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
+    settings = config.data.arithmetic
+    splits = arithmetic.make_arithmetic_splits(settings.num_train, settings.num_eval, seed=settings.seed,
+                                               digit_weights=settings.digit_weights)
+    return splits.train, splits.eval
+
+
+def _arithmetic_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) -> list[Example]:
+    """Worked sums with sft.carry_drop of the carries dropped."""
+    episodes, rng = TextEpisodes(tokenizer), random.Random(config.seed)
+    return [(episodes.prompt_ids(item),
+             [*tokenizer.encode(arithmetic.render_target(item, carry_drop=config.sft.carry_drop, rng=rng),
+                                add_special_tokens=False), tokenizer.eos_token_id])
+            for item in train]
+
+
+def _tool_multiply_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
+    settings = config.data.tool_multiply
+    return tool_multiply.make_tool_multiply_splits(settings.num_train, settings.num_eval, seed=settings.seed,
+                                                   digits=settings.digits)
+
+
+def renderer_for(config: RunConfig, tokenizer: Any) -> TurnRenderer:
+    env = config.env
+    return TurnRenderer(tokenizer, role=env.role, max_observation_chars=env.max_observation_chars,
+                        observation_suffix=env.observation_suffix)
+
+
+def _tool_multiply_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) -> list[Example]:
+    """Episodes that call the tool (sft.tool_rate, some with wrong code) or answer mentally."""
+    renderer, rng = renderer_for(config, tokenizer), random.Random(config.seed)
+    examples = []
+    for item in train:
+        turns = tool_multiply.tool_trace(item, rng, tool_rate=config.sft.tool_rate,
+                                         wrong_code_rate=config.sft.wrong_code_rate)
+        examples.append(trace_row(renderer, item, "", [(t.action, t.observation) for t in turns], final_eos=True))
+    return examples
+
+
+def _text_game_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
+    settings = config.data.text_game
+    options = {"rooms": settings.rooms, "locked_doors": settings.locked_doors, "distractors": settings.distractors}
+    return (text_game.text_game_prompts(settings.num_train, split="train", seed=settings.seed, **options),
+            text_game.text_game_prompts(settings.num_eval, split="eval", seed=settings.seed, **options))
+
+
+def _text_game_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) -> list[Example]:
+    """The oracle's play with sft.expert_error_rate of its turns replaced by wrong actions (some traces fail)."""
+    renderer, rng = renderer_for(config, tokenizer), random.Random(config.seed)
+    max_steps = int(config.env.options.get("max_steps", 8))
+    examples = []
+    for item in train:
+        trace = text_game.noisy_expert_trace(text_game.layout_of(item), rng, config.sft.expert_error_rate,
+                                             max_steps=max_steps)
+        observations = [turn[0] for turn in trace.turns][1:] + [trace.final_observation]
+        turns = [(f"{turn[1]}\n", observation) for turn, observation in zip(trace.turns, observations)]
+        examples.append(trace_row(renderer, item, trace.turns[0][0], turns, final_eos=False))
+    return examples
+
+
+TASKS: dict[str, Task] = {
+    "arithmetic": Task("".join(c for c in arithmetic.ALPHABET if c not in (arithmetic.THINK_OPEN, arithmetic.THINK_CLOSE)),
+                       (arithmetic.THINK_OPEN, arithmetic.THINK_CLOSE), _arithmetic_splits, _arithmetic_examples),
+    "tool_multiply": Task(tool_multiply.ALPHABET, tool_multiply.SPECIAL_TOKENS, _tool_multiply_splits,
+                          _tool_multiply_examples),
+    "text_game": Task(text_game.TEXT_GAME_ALPHABET, (), _text_game_splits, _text_game_examples),
+}
