@@ -27,10 +27,41 @@ TINY_RUN = [
 ]
 """Dotted overrides of the default recipe for a run of a few seconds on one core."""
 
+AGENT_RUN = [
+    "text_game",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_layers=1",
+    "model.tiny.num_heads=2",
+    "data.text_game.num_train=200",
+    "data.text_game.num_eval=8",
+    "sft.steps=20",
+    "sft.batch_size=16",
+    "rollout.max_batch_size=32",
+    "rollout.max_new_tokens=160",
+    "env.max_turns=4",
+    "scheduler.batch_groups=8",
+    "trainer.steps=3",
+    "trainer.microbatch_size=8",
+    "trainer.checkpoint_every=1",
+    "eval.num_prompts=8",
+    "eval.k=1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "verifier.min_workers=1",
+    "verifier.max_workers=1",
+    "env.max_workers=1",
+]
+"""The text_game agent recipe (every turn an environment step), small enough for a test."""
+
 
 @pytest.fixture
 def tiny_run() -> list[str]:
     return list(TINY_RUN)
+
+
+@pytest.fixture
+def agent_run() -> list[str]:
+    return list(AGENT_RUN)
 
 
 # A Qwen2.5-style ChatML template (system default, tool responses merged into one user turn, generation prompt).

@@ -154,8 +154,10 @@ class EpisodeBackend:
     def _run_env(self, rid: str, work: Any) -> None:
         task = asyncio.ensure_future(work)
         self._stepping[rid] = task
-        if not self.settings.lockstep:  # resubmit the moment the result arrives
-            task.add_done_callback(lambda _, rid=rid: self._take_step(rid) if rid not in self._held else None)
+        if not self.settings.lockstep:  # resubmit the moment the result arrives, while this task is still the
+            # episode's (after an abort, a restarted episode's own step may be running)
+            task.add_done_callback(lambda done, rid=rid: self._take_step(rid) if self._stepping.get(rid) is done
+                                   and rid not in self._held else None)
 
     def _step(self, rid: str, row: Generation, action: str) -> None:
         self._turns[rid] = row
@@ -220,6 +222,11 @@ class EpisodeBackend:
             rid = generation.request_id
             if self.env is None:
                 self._completed.append(generation)
+                continue
+            if rid not in self._states:  # aborted after the engine finished this turn: it comes back as ended
+                # (the Backend contract; the loop knows it was cancelled and discards it)
+                seed = generation.params.seed if generation.params.seed is not None else 0
+                self._end(replace(generation, episode=EpisodeState(seed=seed)), "aborted", "abort")
                 continue
             row = replace(generation, episode=self._states[rid])
             if generation.finish_reason == "length":  # the budget ran out inside the turn

@@ -2,7 +2,9 @@
 
 One token per character of the alphabet, plus whole-word special tokens (`<think>` is one token).
 It is built with the `tokenizers` library and wrapped as a fast tokenizer, so `save_pretrained`
-writes a tokenizer.json that plain `AutoTokenizer.from_pretrained(dir)` reads with no custom code:
+writes a tokenizer.json that `PreTrainedTokenizerFast.from_pretrained(dir)` reads with no custom code (beside a
+model's config.json, transformers 5's AutoTokenizer picks the model type's tokenizer class instead: see
+run/policy.py load_tokenizer):
 runs and checkpoints stay self-contained.
 """
 

@@ -3,6 +3,7 @@ by SFT (cached in the run directory, so a resumed run does not redo it)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -37,11 +38,22 @@ def seed_everything(seed: int) -> None:
 
 def load_policy(path: str | Path, *, dtype: str, field: str = "model path") -> Policy:
     """Tokenizer and model of a local Hugging Face directory (never the network)."""
-    from transformers import AutoTokenizer
-
     # Checked first: the tokenizer loader takes a path that does not exist for a Hub repo id.
     path = check_model_dir(path, field=field)
-    return Policy(AutoTokenizer.from_pretrained(path, local_files_only=True), load_model(path, dtype=dtype))
+    return Policy(load_tokenizer(path), load_model(path, dtype=dtype))
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The directory's tokenizer. A plain tokenizer.json one (our character tokenizers) loads as itself:
+    transformers 5's AutoTokenizer would pick the model type's class (Qwen2Tokenizer beside a qwen2
+    config.json), whose byte-level pre-tokenizer drops spaces and newlines from such a vocabulary."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_file = Path(path) / "tokenizer_config.json"
+    tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporter) -> Policy:

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,11 +88,34 @@ def _assert_complete(run_dir: Path) -> None:
     assert steps == list(range(1, STEPS + 1)), "metrics.jsonl must read like an uninterrupted run's"
 
 
-def test_deterministic_kill_and_resume_ends_with_identical_weights(tiny_run, tmp_path):
+def _episodes_in_flight(checkpoint: Path) -> list:
+    """The multi-turn episodes a checkpoint holds in flight that had taken at least one environment step."""
+    _, controller_state, _ = load_states(checkpoint)
+    return [partial.episode for _, partial in controller_state["inflight"]
+            if partial.episode is not None and partial.episode.turns > 0]
+
+
+def _resume_mid_episode(run_dir: Path) -> None:
+    """Make the resume start from the newest checkpoint that holds episodes mid-way (their environments are
+    rebuilt by replay), as if the kill had come right after it: newer checkpoints are removed."""
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), reverse=True)
+    intact = [c for c in checkpoints if c.name[5:].isdigit() and (c / "meta.json").exists()]
+    chosen = next((c for c in intact if _episodes_in_flight(c)), None)
+    assert chosen is not None, f"no checkpoint of {[c.name for c in intact]} holds an episode mid-way"
+    for newer in checkpoints:
+        if newer.name > chosen.name:
+            shutil.rmtree(newer)
+
+
+@pytest.mark.parametrize("run", ["tiny_run", "agent_run"])
+def test_deterministic_kill_and_resume_ends_with_identical_weights(run, request, tmp_path):
+    tiny_run = request.getfixturevalue(run)
     _run(_command(tmp_path / "straight", tiny_run, "--deterministic"))
     killed = tmp_path / "killed"
     rng = random.Random(os.getpid())
     _kill_midway(_command(killed, tiny_run, "--deterministic"), killed, after_step=2, delay=rng.uniform(0, 0.2))
+    if run == "agent_run":
+        _resume_mid_episode(killed)
     assert not (killed / "summary.json").exists()
     _run([sys.executable, "-m", "flashreinforce", "train", "--resume", str(killed)])
     _assert_complete(killed)
@@ -101,10 +125,12 @@ def test_deterministic_kill_and_resume_ends_with_identical_weights(tiny_run, tmp
         assert (straight[name] == resumed[name]).all(), f"{name} differs after kill and resume"
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.2])
-def test_overlapped_kill_and_resume_trains_every_rollout_once(tiny_run, tmp_path, delay):
+@pytest.mark.parametrize(("run", "delay"), [("tiny_run", 0.0), ("tiny_run", 0.2), ("agent_run", 0.1)])
+def test_overlapped_kill_and_resume_trains_every_rollout_once(run, request, tmp_path, delay):
     run_dir = tmp_path / "run"
-    _kill_midway(_command(run_dir, tiny_run), run_dir, after_step=3, delay=delay)
+    _kill_midway(_command(run_dir, request.getfixturevalue(run)), run_dir, after_step=3, delay=delay)
+    if run == "agent_run":
+        _resume_mid_episode(run_dir)
     _run([sys.executable, "-m", "flashreinforce", "train", "--resume", str(run_dir)])
     _assert_complete(run_dir)
 

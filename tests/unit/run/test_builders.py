@@ -11,11 +11,17 @@ from flashreinforce.run.policy import tiny_policy
 
 
 @pytest.mark.parametrize(("override", "field"), [("rollout.engine=vllm", "rollout.engine=vllm"),
-                                                 ("backend.kind=ray", "backend.kind=ray"),
-                                                 ("env.kind=python_tool", "env.kind=python_tool")])
+                                                 ("backend.kind=ray", "backend.kind=ray")])
 def test_a_part_without_a_builder_is_refused_naming_its_field(override, field):
     with pytest.raises(ValueError, match=f"{field} is not available in this build yet; use one of"):
         check_buildable(load_config(None, [override]))
+
+
+@pytest.mark.parametrize(("kind", "says"), [("chess", "is not a known environment"),
+                                             ("missing_env.py:Env", "no file")])
+def test_an_environment_that_cannot_be_built_is_refused_naming_env_kind(kind, says):
+    with pytest.raises(ValueError, match=f"env.kind='{kind}'.*{says}"):
+        check_buildable(load_config(None, [f"env.kind={kind}"]))
 
 
 def test_a_gpu_recipe_stops_at_start_up_before_it_writes_anything(tmp_path):
@@ -35,3 +41,17 @@ def test_the_engine_context_is_the_longest_prompt_plus_the_budget_and_the_model_
     expected = f"max_new_tokens=200 need {longest + 200} positions but the model has {limit}"
     with pytest.raises(ValueError, match=expected):
         build_engine(config, policy, EngineShape(longest, 200, version=0, seed=0))
+
+
+def test_a_saved_character_tokenizer_keeps_spaces_and_newlines_beside_a_qwen2_config(tmp_path):
+    # transformers 5's AutoTokenizer loads Qwen2Tokenizer next to a qwen2 config.json and drops " " and "\n"
+    from flashreinforce.models import build_char_tokenizer, build_model
+    from flashreinforce.run.policy import load_tokenizer
+
+    tokenizer = build_char_tokenizer("ab \n")
+    build_model(len(tokenizer), 16, 1, 2, 32, pad_token_id=0, eos_token_id=1, dtype="float32",
+                seed=0).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    ids = tokenizer.encode("a b\nb", add_special_tokens=False)
+    assert loaded.encode("a b\nb", add_special_tokens=False) == ids and loaded.decode(ids) == "a b\nb"

@@ -1,0 +1,53 @@
+"""The reference agent recipes resolve their environments and run a few steps on CPU with a small local model."""
+
+import json
+
+import pytest
+
+from flashreinforce.config import load_config
+from flashreinforce.models import build_model
+from flashreinforce.run.training import run_training
+
+pytestmark = pytest.mark.slow  # whole runs with sandboxed tool calls, ~10 s each
+
+
+def _local(model_dir, data, tiny_run):
+    """The GPU recipes' settings brought down to this machine: the embedded engine, one process, tiny budgets."""
+    keep = [o for o in tiny_run if o.startswith(("log.", "verifier."))]
+    return [*keep, f"model.path={model_dir}", "model.dtype=float32", f"data.train={data}", f"data.eval={data}",
+            "rollout.engine=local", "backend.kind=local", "rollout.max_batch_size=8", "rollout.max_new_tokens=24",
+            "scheduler.batch_groups=4", "trainer.steps=2", "trainer.checkpoint_every=1", "trainer.microbatch_size=4",
+            "trainer.warmup_steps=0", "eval.num_prompts=4", "eval.k=1", "eval.every=0", "env.max_prompt_tokens=64",
+            "env.max_workers=1"]
+
+
+@pytest.fixture
+def chat_model(chat_tokenizer, tmp_path):
+    model_dir = tmp_path / "chat-model"
+    build_model(len(chat_tokenizer), 32, 1, 2, 128, pad_token_id=chat_tokenizer.pad_token_id,
+                eos_token_id=chat_tokenizer.eos_token_id).save_pretrained(model_dir)
+    chat_tokenizer.save_pretrained(model_dir)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a}*{b}? Use <code>print(...)</code>."}],
+             "reward_model": {"ground_truth": str(a * b)}} for a in range(2, 6) for b in range(2, 6)]
+    data = tmp_path / "tool.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return model_dir, data
+
+
+@pytest.mark.parametrize("recipe", ["qwen7b_tool", "qwen3_tool_ablation"])
+def test_a_tool_recipe_runs_multi_turn_on_a_small_local_model(recipe, chat_model, tiny_run, tmp_path):
+    model_dir, data = chat_model
+    config = load_config(recipe, _local(model_dir, data, tiny_run))
+    assert config.env.kind == "python_tool" and config.env.max_turns > 1
+    summary = run_training(config, run_dir=tmp_path / "run")
+    assert summary["optimizer_steps"] == 2 and summary["trained_trajectories"] == 8
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["prompt"].endswith("<|im_start|>assistant\n") for s in samples)
+
+
+def test_the_alfworld_recipe_says_what_is_missing(chat_model, tiny_run, tmp_path, monkeypatch):
+    model_dir, data = chat_model
+    monkeypatch.delenv("ALFWORLD_DATA", raising=False)
+    config = load_config("alfworld", _local(model_dir, data, tiny_run))
+    with pytest.raises((RuntimeError, ImportError, ValueError), match="(?i)alfworld"):
+        run_training(config, run_dir=tmp_path / "run")
