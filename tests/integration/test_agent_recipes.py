@@ -51,3 +51,17 @@ def test_the_alfworld_recipe_says_what_is_missing(chat_model, tiny_run, tmp_path
     config = load_config("alfworld", _local(model_dir, data, tiny_run))
     with pytest.raises((RuntimeError, ImportError, ValueError), match="(?i)alfworld"):
         run_training(config, run_dir=tmp_path / "run")
+
+
+@pytest.mark.parametrize("extra", [["scheduler.kind=sync"], ["scheduler.kind=urb"], ["scheduler.kind=april"],
+                                   ["scheduler.kind=stream", "algo.wpsm={tau: 0.0, eta: 100.0}",
+                                    "algo.options={negative_token_fraction: 0.5}"]],
+                         ids=["sync", "urb", "april", "stream-wpsm-entropy-filter"])
+def test_episodes_run_under_every_scheduler_and_with_wpsm_and_the_entropy_filter(agent_run, extra, tmp_path):
+    config = load_config(agent_run[0], [*agent_run[1:], "trainer.steps=2", *extra])
+    summary = run_training(config, run_dir=tmp_path / "run")  # checks the exactly-once ledger at the end
+    assert summary["optimizer_steps"] == 2 and summary["trained_trajectories"] == 16
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if "loss/policy" in m]
+    assert len(trained) == 2 and all(m["episode/end/done"] + m.get("episode/end/turns", 0)
+                                     + m.get("episode/end/length", 0) > 0 for m in trained)

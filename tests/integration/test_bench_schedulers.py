@@ -77,3 +77,32 @@ def test_quick_run_reports_every_kind_and_urb_trains_exactly_its_data_group(tmp_
     again = _run(tmp_path, "--kinds", "sync", "--steps", "2", "--trainer", "process")
     assert again["warm_start"] == {**report["warm_start"], "reused": True}
     assert again["settings"]["config"]["backend"]["trainer_process"] is True
+
+
+@pytest.mark.slow
+def test_quick_agent_run_reports_env_busy_for_every_kind(tmp_path):
+    """--workload agent: every rollout an episode of LatencyEnv steps; all four kinds finish their steps."""
+    json_path = tmp_path / "agent.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--workload", "agent", "--max-lag", "1",
+                           "--out", str(tmp_path), "--json", str(json_path)],
+                          timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(json_path.read_text())
+    steps, batch = report["settings"]["steps"], report["settings"]["batch"]
+    assert set(report["kinds"]) == {"sync", "april", "urb lag<=1", "stream lag<=1"}
+    header = next(line for line in done.stdout.splitlines() if line.startswith("| kind |"))
+    assert "| trainer busy | env busy | lag mean / max |" in header, header
+    for name, row in report["kinds"].items():
+        (run,) = row["runs"]
+        assert len(run) == steps and all(len(s["lengths"]) == batch for s in run), name
+        assert any(line.startswith(f"| `{row['kind']}`") for line in done.stdout.splitlines()), name
+        # every trained episode went reset -> turn -> step -> turn -> step, and its steps overlapped others'
+        assert row["episode_ends"].get("end/done", 0) >= steps * batch, (name, row["episode_ends"])
+        assert row["env_pool"]["calls"] >= 3 * steps * batch, (name, row["env_pool"])
+        assert row["env_busy"] > 1.0, (name, row["env_busy"])
+        assert 0 < row["steps_per_second"] and row["reward_mean"] is not None, name
+    # the multi-turn path keeps sync's and urb's order: each step trains exactly its data group
+    for name in ("sync", "urb lag<=1"):
+        for t, s in enumerate(report["kinds"][name]["runs"][0]):
+            assert sorted(s["positions"]) == list(range(t * batch, (t + 1) * batch)), (name, t)
+    assert report["kinds"]["urb lag<=1"]["lag_max"] <= 1 and report["kinds"]["sync"]["lag_max"] == 0
