@@ -30,8 +30,19 @@ is one (kind, lag bound). Measured per row, over the steps after the first --war
 With --repeats R the rows run R times, interleaved; speed columns show the median run, bias and
 lag pool all runs.
 
+--workload agent: the same policy and data, each rollout an episode in latency_env.py's LatencyEnv (a tool
+that only takes time): the think is one turn (it ends at </think>), then an env step, the answer a second
+turn, then a step; 85% of steps take 5-15 ms, 15% 0.5-1.5 s (--slow-fraction, --slow-seconds), a pure
+function of (prompt, seed, step), so every kind waits the same for the same rollout. Observations are empty,
+so the rows are the single-turn ones and the bias columns compare as before; the verifier scores the final
+turn. The episodes run through the library's EpisodeBackend and EnvPool, with one env worker per engine slot
+(a worker runs one call at a time). One more column, env busy: the pool's summed call seconds / wall seconds
+over the window, the mean number of env calls running at once (so it passes 100%). The goal: stream and urb
+>= 2x sync steps/s.
+
     python benchmarks/schedulers.py                  # the default run (SFT once, then ~20 s per row)
     python benchmarks/schedulers.py --quick          # smoke run, under a minute with its warm start
+    python benchmarks/schedulers.py --workload agent --steps 30   # multi-turn episodes with slow tool steps
     flashreinforce bench schedulers --repeats 3 --json bench-out/schedulers.json
 """
 

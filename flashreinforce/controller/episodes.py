@@ -80,6 +80,8 @@ class EpisodeBackend:
         self._completed: list[Generation] = []
         self._engine_wait: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._failure: Exception | None = None
+        """An error raised where the loop could not see it (an environment result's callback)."""
         self.counts: dict[str, int] = {}
 
     # ---- delegated --------------------------------------------------------------------------------------
@@ -156,8 +158,16 @@ class EpisodeBackend:
         self._stepping[rid] = task
         if not self.settings.lockstep:  # resubmit the moment the result arrives, while this task is still the
             # episode's (after an abort, a restarted episode's own step may be running)
-            task.add_done_callback(lambda done, rid=rid: self._take_step(rid) if self._stepping.get(rid) is done
+            task.add_done_callback(lambda done, rid=rid: self._take_step_soon(rid) if self._stepping.get(rid) is done
                                    and rid not in self._held else None)
+
+    def _take_step_soon(self, rid: str) -> None:
+        """_take_step from a done-callback, where a raise would be logged and lost: finished() re-raises it."""
+        try:
+            self._take_step(rid)
+        except Exception as error:  # noqa: BLE001 - handed to the loop, which stops the run with it
+            self._failure = error
+            self._wake.set()
 
     def _step(self, rid: str, row: Generation, action: str) -> None:
         self._turns[rid] = row
@@ -171,6 +181,11 @@ class EpisodeBackend:
         result = task.result()
         row = self._turns.pop(rid, None)
         if isinstance(result, Generation):  # a reset: the first turn's prompt
+            limit = self.settings.max_context
+            if limit is not None and len(result.prompt_ids) >= limit:
+                raise ValueError(f"episode {rid}: its first prompt (the task and the reset observation) is "
+                                 f"{len(result.prompt_ids)} tokens and leaves no room in the context of {limit}; "
+                                 "raise env.max_prompt_tokens (or shorten the observation)")
             self.inner.submit(rid, result.prompt_ids, result.params, prefix=result)
         elif result.failure is not None:
             self._end(row or self._empty(rid), result.failure.split(":", 1)[0] if row else "env_error",
@@ -239,6 +254,8 @@ class EpisodeBackend:
     async def finished(self) -> list[Generation]:
         """Wait until at least one episode ended; return every ended one."""
         while not self._completed:
+            if self._failure is not None:
+                raise self._failure
             if self.settings.lockstep and set(self._stepping) - self._held:
                 await self._settle_steps()
                 continue

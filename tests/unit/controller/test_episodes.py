@@ -443,3 +443,9 @@ def test_a_turn_the_engine_finished_just_before_its_abort_comes_back_through_fin
     assert late.finish_reason == "abort" and list(late.token_ids) == [*encode("go"), EOS]
     assert late.episode.actions == () and verdicts[0].reward == 0.0 and not verdicts[0].passed
     assert rows["r1"].finish_reason == "stop" and rows["r1"].episode.actions == ("up", "down", "left")
+
+
+def test_a_first_prompt_that_leaves_no_room_stops_the_run_naming_the_setting(env_spec):
+    # raised where the reset's result arrives (a done-callback), it must still reach the caller of finished()
+    with pytest.raises(ValueError, match="env.max_prompt_tokens"):
+        play(env_spec, {"r0": ["go"]}, EpisodeSettings(max_turns=5, max_context=len(first_prompt(5))))
