@@ -80,6 +80,7 @@ class EpisodeBackend:
         self._completed: list[Generation] = []
         self._engine_wait: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._rendered: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self._failure: Exception | None = None
         """An error raised where the loop could not see it (an environment result's callback)."""
         self.counts: dict[str, int] = {}
@@ -122,10 +123,21 @@ class EpisodeBackend:
         if prefix is not None:
             self._continue(prefix)
         elif self.env is None:
-            self.inner.submit(request_id, self.episodes.prompt_ids(prompt, hint_ids), params)
+            self.inner.submit(request_id, self._single_turn_ids(prompt, tuple(hint_ids)), params)
         else:
             seed = params.seed if params.seed is not None else 0
             self._run_env(request_id, self._reset(request_id, prompt, seed, tuple(hint_ids)))
+
+    def _single_turn_ids(self, prompt: Prompt, hint_ids: tuple[int, ...]) -> list[int]:
+        """Rendered once per (prompt, hint): an evaluation submits k samples of each prompt in one burst, and a
+        burst that outlasts an engine step changes which requests decode together (the low bits of their
+        log-probs with them)."""
+        key = (prompt.id, hint_ids)
+        if key not in self._rendered:
+            if len(self._rendered) >= 4096:
+                self._rendered.clear()
+            self._rendered[key] = self.episodes.prompt_ids(prompt, hint_ids)
+        return self._rendered[key]
 
     async def _reset(self, rid: str, prompt: Prompt, seed: int, hint_ids: tuple[int, ...]) -> Generation | EnvOutcome:
         outcome = await self.env.pool.reset(rid, prompt, seed)
