@@ -67,7 +67,6 @@ import numpy as np
 import torch
 
 from flashreinforce.config import RunConfig, load_config
-from flashreinforce.controller.episodes import EpisodeBackend
 from flashreinforce.controller.loop import LoopSettings, RLLoop
 from flashreinforce.data.arithmetic import THINK_CLOSE
 from flashreinforce.data.order import PromptOrder
@@ -91,7 +90,7 @@ from flashreinforce.run.engines import (
 from flashreinforce.run.learner import start_trainer
 from flashreinforce.run.policy import build_policy, seed_everything
 from flashreinforce.run.scheduling import build_run_scheduler
-from flashreinforce.types import Generation, SamplingParams, Trajectory
+from flashreinforce.types import SamplingParams, Trajectory
 
 # `flashreinforce bench` runs this file with runpy, which does not put its directory on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -272,42 +271,6 @@ def variants(kinds: Sequence[str], lags: Sequence[int]) -> list[tuple[str, str, 
             for kind in kinds for lag in (lags if kind in LAG_BOUNDED else lags[:1])]
 
 
-class PausedResetsAbortable(EpisodeBackend):
-    """EpisodeBackend with workarounds for two bugs in its pause (found by this benchmark; remove once fixed
-    in controller/episodes.py). Both leave a rollout in flight that no partial accounts for, so the loop's
-    final checkpoint fails "every in-flight request is paused" (any kind: every push pauses here; april most).
-
-    1. pause() hands back an episode whose environment reset was running as its first prompt, a partial in
-       no engine; abort() asks only the engine for such ids, so april's abort-everything loses them. Here
-       abort() returns those first prompts itself, as pause() gave them.
-    2. An environment step that finishes while pause() awaits the engine's pause resubmits its episode to
-       the engine behind the pause's back. Here such results wait while pausing: the step is then held as
-       a pending partial like any running one, and taken at resume.
-    """
-
-    def _take_step(self, rid: str) -> None:
-        if getattr(self, "_pausing", False):
-            return  # still in _stepping: pause() holds it with its action pending; resume takes the result
-        super()._take_step(rid)
-
-    async def pause(self) -> tuple[list[Generation], list[Generation]]:
-        self._pausing = True
-        try:
-            partials, done = await super().pause()
-        finally:
-            self._pausing = False
-        self._first_prompts = {p.request_id: p for p in partials
-                               if not p.token_ids and p.request_id not in self._stepping}
-        return partials, done
-
-    async def abort(self, request_ids: Sequence[str]) -> list[Generation]:
-        aborted = {p.request_id: p for p in await super().abort(request_ids)}
-        for rid in request_ids:
-            if rid not in aborted and rid in getattr(self, "_first_prompts", {}):  # set by a pause
-                aborted[rid] = self._first_prompts.pop(rid)
-        return [aborted[rid] for rid in request_ids if rid in aborted]
-
-
 def sampling_params(config: RunConfig, tokenizer: Any) -> SamplingParams:
     """rollout_params; with environments a turn also ends at </think> (agent_overrides). As a stop token, not
     env.stop_strings: a stop string is checked by decoding every running row's turn at every decoding step,
@@ -338,7 +301,6 @@ async def run_kind(kind: str, config: RunConfig, data: Data, warm_dir: Path) -> 
     env_pool = build_env_pool(config)  # None for the single-turn arithmetic workload
     if env_pool is not None:
         backend = build_episode_backend(config, backend, episodes, env_pool, shape.context)
-        backend.__class__ = PausedResetsAbortable  # the builder's episode backend, with the workarounds above
     settings = LoopSettings(total_steps=config.trainer.steps, sampling=sampling_params(config, policy.tokenizer),
                             seed=config.seed, checkpoint_every=0, eval_every=0, overlap=True)
     result = KindRun(kind, max_lag=config.scheduler.max_staleness)
@@ -594,7 +556,11 @@ def run_rows(args: argparse.Namespace, configs: dict[int, RunConfig], data: Data
     for repeat in range(args.repeats):
         for name, kind, lag in rows_to_run:
             clock = CpuClock.read()
-            run = asyncio.run(run_kind(kind, configs[lag], data, warm_dir))
+            try:
+                run = asyncio.run(run_kind(kind, configs[lag], data, warm_dir))
+            except Exception as error:  # noqa: BLE001 - one broken row must not cost a long run's other rows
+                print(f"  {name} (run {repeat + 1}/{args.repeats}): FAILED: {type(error).__name__}: {error}", flush=True)
+                continue
             run.other_cores = CpuClock.read().other_cores_since(clock)
             runs[name].append(run)
             # A pool that grew to its most workers may have made episodes wait for one: say so.
@@ -604,7 +570,7 @@ def run_rows(args: argparse.Namespace, configs: dict[int, RunConfig], data: Data
                    f"{run.episode_ends}, reward mean {np.mean([s.reward for s in run.steps]):.2f}" if run.env else "")
             print(f"  {name} (run {repeat + 1}/{args.repeats}): {args.steps} steps in {run.steps[-1].seconds:.1f} s "
                   f"(setup {run.setup_seconds:.0f} s), other processes used {run.other_cores:.2f} cores{env}", flush=True)
-    return runs
+    return {name: kind_runs for name, kind_runs in runs.items() if kind_runs}  # failed rows are left out
 
 
 def main() -> None:
@@ -628,6 +594,8 @@ def main() -> None:
           f"({time.perf_counter() - started:.0f} s)")
 
     runs = run_rows(args, configs, data, warm_dir)
+    if not runs:
+        raise SystemExit("every row failed: nothing to report")
     order = PromptOrder(data.train, seed=config.data.shuffle_seed)
     data_difficulty = [order[i].difficulty for i in range(args.steps * args.batch)]
     early = args.first_steps * args.batch

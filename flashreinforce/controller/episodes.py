@@ -81,6 +81,11 @@ class EpisodeBackend:
         self._engine_wait: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._rendered: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+        self._pausing = False
+        """While pause() runs, an environment result waits (held as a pending action), never resubmitting its
+        episode to the engine behind the pause's back."""
+        self._first_prompts: dict[str, Generation] = {}
+        """Paused episodes whose reset finished but which never reached the engine: abort() hands them back."""
         self._failure: Exception | None = None
         """An error raised where the loop could not see it (an environment result's callback)."""
         self.counts: dict[str, int] = {}
@@ -151,6 +156,7 @@ class EpisodeBackend:
 
     def _continue(self, partial: Generation) -> None:
         rid, state = partial.request_id, partial.episode
+        self._first_prompts.pop(rid, None)
         if state is not None:
             self._states[rid] = replace(state, pending=None)
             self._reopen(partial)
@@ -171,7 +177,7 @@ class EpisodeBackend:
         if not self.settings.lockstep:  # resubmit the moment the result arrives, while this task is still the
             # episode's (after an abort, a restarted episode's own step may be running)
             task.add_done_callback(lambda done, rid=rid: self._take_step_soon(rid) if self._stepping.get(rid) is done
-                                   and rid not in self._held else None)
+                                   and rid not in self._held and not self._pausing else None)
 
     def _take_step_soon(self, rid: str) -> None:
         """_take_step from a done-callback, where a raise would be logged and lost: finished() re-raises it."""
@@ -321,6 +327,16 @@ class EpisodeBackend:
 
     async def pause(self) -> tuple[list[Generation], list[Generation]]:
         """Partials of every episode in flight (environment steps held as pending actions) and ended ones."""
+        self._pausing = True
+        try:
+            partials, done = await self._pause()
+        finally:
+            self._pausing = False
+        self._first_prompts.update((p.request_id, p) for p in partials
+                                   if not p.token_ids and p.request_id not in self._stepping)
+        return partials, done
+
+    async def _pause(self) -> tuple[list[Generation], list[Generation]]:
         await self._stop_engine_wait()
         first_prompts = [rid for rid in self._stepping if rid not in self._turns and rid not in self._held]
         self._held.update(first_prompts)
@@ -354,6 +370,8 @@ class EpisodeBackend:
             if partial.episode is not None:
                 self._states[partial.request_id] = replace(partial.episode, pending=None)
                 self._reopen(partial)
+        for partial in engine:
+            self._first_prompts.pop(partial.request_id, None)
         await self.inner.resume(engine)
         self._wake.set()
         for partial in partials:
@@ -392,6 +410,9 @@ class EpisodeBackend:
             else:  # the reset failed: the episode ends here, reported as ended
                 self._end(self._empty(rid), "env_error", "env_error", task.result().failure)
         for rid in request_ids:
+            if rid not in partials and rid in self._first_prompts:  # paused after its reset, never in the engine
+                partials[rid] = self._first_prompts[rid]
+            self._first_prompts.pop(rid, None)
             if self.env is not None:
                 self.env.pool.close(rid)
             self._states.pop(rid, None)

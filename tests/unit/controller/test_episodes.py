@@ -449,3 +449,28 @@ def test_a_first_prompt_that_leaves_no_room_stops_the_run_naming_the_setting(env
     # raised where the reset's result arrives (a done-callback), it must still reach the caller of finished()
     with pytest.raises(ValueError, match="env.max_prompt_tokens"):
         play(env_spec, {"r0": ["go"]}, EpisodeSettings(max_turns=5, max_context=len(first_prompt(5))))
+
+
+def test_an_episode_paused_during_its_reset_is_handed_back_by_abort_and_can_start_again(env_spec):
+    """pause() returns such an episode as its first prompt, in no engine; an abort (april aborts everything at
+    a push) must return that partial, or the rollout would be in flight with nothing accounting for it."""
+
+    async def main():
+        pool = EnvPool(env_spec, step_timeout_s=10, max_workers=1)
+        await pool.start()
+        try:
+            episodes = EpisodeBackend(ScriptedBackend({"r0": ["go", "look", "take"]}), TextEpisodes(TOKENIZER), pool=pool,
+                                      settings=EpisodeSettings(max_turns=5))
+            episodes.start("r0", PROMPT, params())
+            partials, done = await episodes.pause()  # the reset was still running
+            assert [p.request_id for p in partials] == ["r0"] and not partials[0].token_ids and not done
+            (aborted,) = await episodes.abort(["r0"])
+            assert aborted.prompt_ids == partials[0].prompt_ids and episodes.in_flight == 0
+            episodes.start("r0", PROMPT, params(), prefix=aborted)  # the scheduler resumes it later
+            (row,) = await collect(episodes, 1)
+            return row
+        finally:
+            await pool.aclose()
+
+    row = asyncio.run(main())
+    assert row.finish_reason == "stop" and row.episode.actions == ("go", "look", "take")
