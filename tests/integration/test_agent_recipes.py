@@ -63,5 +63,5 @@ def test_episodes_run_under_every_scheduler_and_with_wpsm_and_the_entropy_filter
     assert summary["optimizer_steps"] == 2 and summary["trained_trajectories"] == 16
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if "loss/policy" in m]
-    assert len(trained) == 2 and all(m["episode/end/done"] + m.get("episode/end/turns", 0)
-                                     + m.get("episode/end/length", 0) > 0 for m in trained)
+    ended = [sum(v for k, v in m.items() if k.startswith("episode/end/")) for m in trained]
+    assert len(trained) == 2 and 0 < ended[0] <= ended[1]  # counters of ended episodes, over the whole run
