@@ -1,7 +1,8 @@
-"""Backends by `backend.kind`, the CPU pool they score with, and episodes by `env.kind`.
+"""Backends by `backend.kind`, the CPU pool they score with, and the episodes they run (env.kind).
 
 A backend builder takes the config and the run's parts (engine, trainer, pool, tokenizer) and returns a
-Backend (controller/backend.py). Adding a backend or an environment is adding a builder below.
+Backend (controller/backend.py). Adding a backend is adding a builder below; an environment is a class named
+in envs.protocol.ENV_KINDS (or a user's file), built in the env pool's workers.
 """
 
 from __future__ import annotations
@@ -14,12 +15,7 @@ from flashreinforce.controller.backend import Backend
 from flashreinforce.controller.episodes import EpisodeBackend, EpisodeSettings
 from flashreinforce.controller.local import LocalBackend
 from flashreinforce.envs.pool import EnvPool
-from flashreinforce.envs.protocol import (
-    ENV_KINDS,
-    EnvSpec,
-    is_user_env,
-    resolve_env_class,
-)
+from flashreinforce.envs.protocol import EnvSpec, resolve_env_class
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.run.engines import ENGINES
@@ -37,21 +33,14 @@ BACKENDS: dict[str, Callable[..., Backend]] = {
     "local": build_local_backend,
 }
 
-ENVS: dict[str, Callable[[Any], TextEpisodes]] = {
-    "math": TextEpisodes,  # single-turn: prompt -> one completion -> the verifier's verdict
-    # multi-turn: the prompts render the same way; their environments run in an EnvPool (build_env_pool)
-    **{kind: TextEpisodes for kind in ENV_KINDS},
-}
-
-
 def build_backend(config: RunConfig, engine: Engine, trainer: Any, pool: VerifierPool, tokenizer: Any) -> Backend:
     return pick_builder(BACKENDS, "backend.kind", config.backend.kind)(config, engine, trainer, pool, tokenizer)
 
 
 def build_episodes(config: RunConfig, tokenizer: Any) -> TextEpisodes:
-    if is_user_env(config.env.kind):
-        return TextEpisodes(tokenizer)
-    return pick_builder(ENVS, "env.kind", config.env.kind)(tokenizer)
+    """Prompt rendering and decoding, the same for every env.kind: a multi-turn run's environments are built
+    in its EnvPool's workers (build_env_pool), by env.kind through envs.protocol.ENV_KINDS."""
+    return TextEpisodes(tokenizer)
 
 
 def env_spec(config: RunConfig) -> EnvSpec:
@@ -88,6 +77,4 @@ def check_buildable(config: RunConfig) -> None:
     pick_builder(ENGINES, "rollout.engine", config.rollout.engine)
     pick_builder(BACKENDS, "backend.kind", config.backend.kind)
     if config.env.multi_turn:
-        resolve_env_class(env_spec(config))  # a missing extra or a bad user file fails now, saying which
-    else:
-        pick_builder(ENVS, "env.kind", config.env.kind)
+        resolve_env_class(env_spec(config))  # an unknown kind, a missing extra or a bad user file fails now

@@ -1,4 +1,4 @@
-"""Builder tables: a config field names a kind, the table maps kinds to builders (ENGINES, BACKENDS, ENVS)."""
+"""Builder tables: a config field names a kind, the table maps kinds to builders (ENGINES, BACKENDS)."""
 
 from __future__ import annotations
 
