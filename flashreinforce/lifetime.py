@@ -1,4 +1,5 @@
-"""Child processes of a run (verifier workers, the trainer): how they start, and that they die with it."""
+"""Child processes of a run (verifier and env workers, the trainer): how they start, that they die with it, and
+how their errors and deaths are told."""
 
 from __future__ import annotations
 
@@ -46,3 +47,22 @@ def die_with_parent(parent_pid: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
+
+
+def describe_exit(returncode: int) -> str:
+    """How a child ended, for a reason string: "exit code 3", "killed by SIGKILL"."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:  # a signal without a name (real-time signals)
+        return f"killed by signal {-returncode}"
+
+
+def describe_error(error: BaseException, limit: int = 300) -> str:
+    """"Type: message" of an exception in user code, the message cut at `limit` characters (it travels in a
+    reason string and a metric key prefix)."""
+    message = str(error)
+    if len(message) > limit:
+        message = message[:limit] + "..."
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__

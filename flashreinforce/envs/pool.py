@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from flashreinforce.envs.protocol import EnvSpec, Observation, StepResult
-from flashreinforce.lifetime import start_child
+from flashreinforce.lifetime import describe_exit, start_child
 from flashreinforce.types import Prompt
 
 _STARTUP_TIMEOUT_S = 120.0  # a user environment's imports (say, textworld) can be slow
@@ -164,7 +164,7 @@ class EnvPool:
             return EnvOutcome(failure="env_timeout")
         except (EOFError, OSError):
             self._lose(worker)
-            return EnvOutcome(failure=f"env_crash: {_died(worker.proc.returncode)}")
+            return EnvOutcome(failure=f"env_crash: {describe_exit(worker.proc.returncode)}")
         except asyncio.CancelledError:
             # the worker goes on with the call, and its answer would be read as the next call's: end it (its
             # sessions replay elsewhere)
@@ -230,9 +230,3 @@ class EnvPool:
             os.killpg(worker.proc.pid, signal.SIGKILL)
         worker.proc.wait()
         worker.conn.close()
-
-
-def _died(returncode: int | None) -> str:
-    if returncode is not None and returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
-    return f"exited with code {returncode}"

@@ -18,9 +18,7 @@ import sys
 from multiprocessing.connection import Connection
 
 from flashreinforce.envs.protocol import Env, EnvSpec, as_step_result, build_env
-from flashreinforce.lifetime import die_with_parent
-
-_MAX_MESSAGE = 300
+from flashreinforce.lifetime import describe_error, die_with_parent
 
 
 def main(fd: int, pool_pid: int) -> None:
@@ -31,7 +29,7 @@ def main(fd: int, pool_pid: int) -> None:
     try:
         build_env(spec).close()  # fail at start, with the reason, not at the first episode
     except Exception as error:  # noqa: BLE001 - any failure of user code is reported, not raised
-        conn.send(("load_error", _describe(error)))
+        conn.send(("load_error", describe_error(error)))
         return
     conn.send(("ready", None))
     envs: dict[str, Env] = {}
@@ -48,7 +46,7 @@ def main(fd: int, pool_pid: int) -> None:
             reply = ("ok", _open(envs, spec, *message[1:]) if kind == "open" else _step(envs, spec, sid, message[2]))
         except Exception as error:  # noqa: BLE001 - an environment's error ends its episode, not the worker
             _close(envs.pop(sid, None))
-            reply = ("error", _describe(error))
+            reply = ("error", describe_error(error))
         conn.send(reply)
 
 
@@ -73,13 +71,6 @@ def _close(env: Env | None) -> None:
     if env is not None:
         with contextlib.suppress(Exception):
             env.close()
-
-
-def _describe(error: BaseException) -> str:
-    message = str(error)
-    if len(message) > _MAX_MESSAGE:
-        message = message[:_MAX_MESSAGE] + "..."
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 if __name__ == "__main__":

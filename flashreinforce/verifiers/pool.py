@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
-from flashreinforce.lifetime import start_child
+from flashreinforce.lifetime import describe_exit, start_child
 from flashreinforce.types import Prompt, Verdict
 from flashreinforce.verifiers.rewards import resolve_reward_ref
 
@@ -324,7 +324,7 @@ class VerifierPool:
             return
         self._count("worker_crashes")
         if worker.call is not None:
-            self._finish(worker.call, Verdict(reward=0.0, passed=False, reason=f"crash: {_died(returncode)}",
+            self._finish(worker.call, Verdict(reward=0.0, passed=False, reason=f"crash: {describe_exit(returncode)}",
                                               seconds=time.monotonic() - worker.call.started))
 
     def _finish(self, call: _Call, verdict: Verdict) -> None:
@@ -395,15 +395,6 @@ class VerifierPool:
             if self._wake_w is not None:
                 with contextlib.suppress(BlockingIOError):  # a full pipe wakes the dispatcher anyway
                     os.write(self._wake_w, b"x")
-
-
-def _died(returncode: int) -> str:
-    if returncode >= 0:
-        return f"exit code {returncode}"
-    try:
-        return f"killed by {signal.Signals(-returncode).name}"
-    except ValueError:  # a signal without a name (real-time signals)
-        return f"killed by signal {-returncode}"
 
 
 class _CpuMeter:

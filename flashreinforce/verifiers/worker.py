@@ -19,11 +19,9 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from flashreinforce.lifetime import die_with_parent
+from flashreinforce.lifetime import describe_error, die_with_parent
 from flashreinforce.types import Verdict
 from flashreinforce.verifiers.rewards import RewardFn, load_reward_fn, to_verdict
-
-_MAX_MESSAGE = 300  # characters of an exception message kept in a Verdict reason
 
 
 def main(fd: int, pool_pid: int) -> None:
@@ -56,7 +54,7 @@ def main(fd: int, pool_pid: int) -> None:
         except MemoryError as e:
             _crash(conn, call_id, e)
         except Exception as e:
-            verdict = Verdict(reward=0.0, passed=False, reason=f"error: {_describe(e)}")
+            verdict = Verdict(reward=0.0, passed=False, reason=f"error: {describe_error(e)}")
         except BaseException as e:  # SystemExit, KeyboardInterrupt: the function asked to stop the process
             _crash(conn, call_id, e)
         conn.send(("done", call_id, dataclasses.replace(verdict, seconds=time.perf_counter() - start)))
@@ -64,16 +62,9 @@ def main(fd: int, pool_pid: int) -> None:
 
 def _crash(conn: Connection, call_id: int, error: BaseException) -> None:
     try:
-        conn.send(("crash", call_id, _describe(error)))
+        conn.send(("crash", call_id, describe_error(error)))
     finally:
         os._exit(70)  # skip atexit and finalizers: the interpreter's state is in doubt
-
-
-def _describe(error: BaseException) -> str:
-    message = str(error)
-    if len(message) > _MAX_MESSAGE:
-        message = message[:_MAX_MESSAGE] + "..."
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def _one_torch_thread() -> None:

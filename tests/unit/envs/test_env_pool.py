@@ -164,7 +164,7 @@ def test_a_crash_ends_only_its_episode_and_the_pool_keeps_working(env_dir):
         await pool.reset("bad", OTHER, 2)
         crashed = await pool.step("bad", "crash")
         assert crashed.failure is not None and crashed.failure.startswith("env_crash:"), crashed
-        assert "exited with code 3" in crashed.failure
+        assert "exit code 3" in crashed.failure
         assert not pool.has("bad") and pool.counts["env_crash"] == 1
         after = await pool.step("ok", "look")  # replayed on a fresh worker
         assert after.failure is None and after.value.observation == echo("look", 2, 1, ["go", "look"])
