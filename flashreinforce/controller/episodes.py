@@ -96,15 +96,20 @@ class EpisodeBackend:
         return getattr(self.inner, name)
 
     @property
+    def _live_env_calls(self) -> int:
+        """Episodes in flight at an environment call (not those a pause holds): each keeps its engine slot."""
+        return len(set(self._stepping) - self._held)
+
+    @property
     def free_slots(self) -> int:
-        return max(0, self.inner.free_slots - len(self._stepping) + len(self._held & set(self._stepping)))
+        return max(0, self.inner.free_slots - self._live_env_calls)
 
     @property
     def in_flight(self) -> int:
         wait = self._engine_wait
         taken = len(wait.result()) if wait is not None and wait.done() and not wait.cancelled() \
             and wait.exception() is None else 0  # finished in the engine, not yet collected
-        return self.inner.in_flight + taken + len(set(self._stepping) - self._held) + len(self._completed)
+        return self.inner.in_flight + taken + self._live_env_calls + len(self._completed)
 
     def stats(self) -> dict[str, float]:
         metrics = self.inner.stats()
@@ -134,9 +139,8 @@ class EpisodeBackend:
             self._run_env(request_id, self._reset(request_id, prompt, seed, tuple(hint_ids)))
 
     def _single_turn_ids(self, prompt: Prompt, hint_ids: tuple[int, ...]) -> list[int]:
-        """Rendered once per (prompt, hint): an evaluation submits k samples of each prompt in one burst, and a
-        burst that outlasts an engine step changes which requests decode together (the low bits of their
-        log-probs with them)."""
+        """Rendered once per (prompt, hint): an evaluation starts k samples of each prompt, and a group's G
+        rollouts share one prompt (bounded: cleared at 4096 entries)."""
         key = (prompt.id, hint_ids)
         if key not in self._rendered:
             if len(self._rendered) >= 4096:

@@ -60,9 +60,7 @@ def build_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> Engin
 def longest_prompt(config: RunConfig, episodes: TextEpisodes, data: Data) -> int:
     """Tokens the engine's context must hold before the generation budget: AHRL hints included, so a hinted
     rollout still gets rollout.max_new_tokens new tokens."""
-    longest = longest_rendered(episodes, [*data.train, *data.eval])
-    if config.env.multi_turn:  # the first prompt holds the reset observation too: reserve what the config says
-        longest = max(longest, config.env.max_prompt_tokens)
+    longest = prompt_room(config, episodes, [*data.train, *data.eval])
     hints = config.algo.hints
     if hints is None:
         return longest
@@ -72,6 +70,13 @@ def longest_prompt(config: RunConfig, episodes: TextEpisodes, data: Data) -> int
 
 def longest_rendered(episodes: TextEpisodes, prompts: Sequence[Prompt]) -> int:
     return max(len(episodes.prompt_ids(p)) for p in prompts)
+
+
+def prompt_room(config: RunConfig, episodes: TextEpisodes, prompts: Sequence[Prompt]) -> int:
+    """The longest rendered prompt; in a multi-turn run at least env.max_prompt_tokens, since the first prompt
+    also holds the environment's reset observation, unknown until an episode starts."""
+    longest = longest_rendered(episodes, prompts)
+    return max(longest, config.env.max_prompt_tokens) if config.env.multi_turn else longest
 
 
 def rollout_params(config: RunConfig) -> SamplingParams:
