@@ -57,6 +57,8 @@ class AsyncEngine:
         self._lock = threading.Lock()  # makes "closed" and the final drain of the queue atomic
         self._closed = False
         self._failure: Exception | None = None
+        self._submits: list[tuple] = []
+        """Submits of the current event-loop turn, posted to the driver as one command (see submit())."""
         # Driver-thread state: the awaiting future of every request not yet returned, and the
         # partials held by pause() until resume() or abort().
         self._waiters: dict[str, _Reply] = {}
@@ -91,8 +93,14 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         future.add_done_callback(lambda f: self._on_generate_done(request_id, f))
-        reply = (loop, future)
-        self._post(self._submit, (request_id, tuple(prompt_ids), params, prefix, reply), reply)
+        # The requests submitted in one event-loop turn (an evaluation's k samples of every prompt) reach the
+        # engine together, before its next step, as they do when the event loop steps it: which requests
+        # decode together, and so the low bits of their log-probs, do not depend on thread timing.
+        with self._lock:
+            self._check_open()
+            self._submits.append((request_id, tuple(prompt_ids), params, prefix, (loop, future)))
+            if len(self._submits) == 1:
+                loop.call_soon(self._flush_submits)
         return future
 
     async def abort(self, request_ids: Sequence[str]) -> list[Generation]:
@@ -118,6 +126,7 @@ class AsyncEngine:
         """Stop the driver thread; requests still pending fail with RuntimeError."""
         with self._lock:
             if not self._closed:
+                self._queue_submits()  # so their callers get the closing error too
                 self._commands.put(None)
         self._thread.join()
 
@@ -126,11 +135,26 @@ class AsyncEngine:
 
     def _post(self, command: Callable, args: tuple, reply: _Reply | None) -> None:
         with self._lock:
-            if self._failure is not None:
-                raise RuntimeError("the engine thread stopped on an error") from self._failure
-            if self._closed:
-                raise RuntimeError("the engine is closed")
+            self._check_open()
+            self._queue_submits()  # submitted before this command: the driver sees them first
             self._commands.put((command, args, reply))
+
+    def _check_open(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError("the engine thread stopped on an error") from self._failure
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def _flush_submits(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._queue_submits()
+
+    def _queue_submits(self) -> None:
+        """(under the lock) Hand this turn's submits to the driver as one command."""
+        if self._submits:
+            batch, self._submits = self._submits, []
+            self._commands.put((self._submit_all, (batch,), None))
 
     async def _call(self, command: Callable, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -163,7 +187,9 @@ class AsyncEngine:
             pending = list(self._waiters.values())
             while not self._commands.empty():
                 item = self._commands.get()
-                if item is not None and item[2] is not None:
+                if item is not None and item[0] == self._submit_all:
+                    pending += [submit[-1] for submit in item[1][0]]
+                elif item is not None and item[2] is not None:
                     pending.append(item[2])
         for reply in pending:
             _reply(reply, error=error)
@@ -187,6 +213,14 @@ class AsyncEngine:
                 if reply is not None and result is not _LATER:
                     _reply(reply, result)
             block = False
+
+    def _submit_all(self, batch: list[tuple]) -> object:
+        for request_id, prompt_ids, params, prefix, reply in batch:
+            try:
+                self._submit(request_id, prompt_ids, params, prefix, reply)
+            except Exception as exc:  # noqa: BLE001 - bad input from one caller: raise it in that caller
+                _reply(reply, error=exc)
+        return None
 
     def _submit(
         self,
