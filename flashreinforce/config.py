@@ -32,11 +32,19 @@ class TinyModelConfig(_Section):
     """Attention heads (hidden_size must be divisible by it)."""
     max_position_embeddings: int = Field(128, ge=16)
     """Context length of the small model, in tokens."""
+    num_experts: int = Field(0, ge=0)
+    """0: a dense Qwen2 model. >= 2: a Qwen2-MoE model with this many routed experts in every layer (plus a
+    shared expert), each hidden_size wide."""
+    experts_per_token: int = Field(2, ge=1)
+    """Routed experts per token (top-k) of the MoE model."""
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_experts == 1 or (self.num_experts and self.experts_per_token > self.num_experts):
+            raise ValueError(f"num_experts={self.num_experts}, experts_per_token={self.experts_per_token}: an MoE "
+                             "model needs num_experts >= 2 and experts_per_token <= num_experts (0 = dense)")
         return self
 
 
@@ -46,9 +54,39 @@ class ModelConfig(_Section):
     with the synthetic task's character tokenizer (and warm-starts it with `sft`)."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the model built when `path` is None."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute precision, used by the trainer and the local engine alike. bfloat16 computes in
-    bf16 and trains with fp32 master weights and optimizer state (so small updates are not rounded away)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dtype_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "dtype" in data:
+            raise ValueError("model.dtype was replaced by precision.trainer and precision.rollout (fp32, bf16 or "
+                             f"fp8; {data['dtype']!r} there is "
+                             f"{'bf16' if str(data['dtype']).startswith('b') else 'fp32'}): set those instead")
+        return data
+
+
+class PrecisionConfig(_Section):
+    trainer: Literal["fp32", "bf16", "fp8"] = "fp32"
+    """The trainer's weights: fp32; bf16; fp8 (e4m3 linear weights with power-of-two scales, fake-quantized:
+    dequantized values, the rest in bf16). Master weights and optimizer state are fp32 whatever this is."""
+    rollout: Literal["fp32", "bf16", "fp8"] = "fp32"
+    """The local engine's weights, in the same formats: the engine rounds or quantizes each weight push."""
+    mode: Literal["separate", "unified"] = "separate"
+    """separate: a bf16 or fp8 side computes with bf16 kernels of its own (decoding with a KV cache vs the
+    trainer's whole sequences: their roundings differ). unified: both sides hold the same quantized weights and
+    compute every operator in fp32, so behavior and recomputed log-probs agree to float rounding; needs
+    trainer == rollout. See models/numerics.py."""
+    fp8_scaling: Literal["tensor", "channel", "block"] = "channel"
+    """fp8 scale granularity: one per tensor, per output channel, or per fp8_block x fp8_block tile."""
+    fp8_block: int = Field(128, ge=1)
+    """Tile size of fp8_scaling=block (DeepSeek-V3 uses 128)."""
+
+    @model_validator(mode="after")
+    def _unified_is_one_precision(self) -> PrecisionConfig:
+        if self.mode == "unified" and self.trainer != self.rollout:
+            raise ValueError(f"mode=unified runs both sides in one precision, but trainer={self.trainer} and "
+                             f"rollout={self.rollout}: set them equal or use mode=separate")
+        return self
 
 
 class ArithmeticConfig(_Section):
@@ -288,6 +326,9 @@ class TrainerConfig(_Section):
     row gets a microbatch of its own. The learner batch is sorted by length first, so with a budget short
     rows share a forward and long ones do not pad them (the dynamic batch size of verl and OpenRLHF).
     None: microbatch_size rows each."""
+    router_replay: bool = True
+    """MoE models: the trainer's forward uses the experts the rollout engine chose for each token and layer
+    (rollout router replay, R3), with gate weights from the live router logits; false routes afresh."""
     checkpoint_every: int = Field(20, ge=0)
     """Optimizer steps between checkpoints (0 = only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -357,6 +398,7 @@ class RunConfig(_Section):
     """Step generation, verification and training in lockstep so a run (and a killed-and-resumed run)
     is bitwise reproducible; slower than the overlapped default."""
     model: ModelConfig = ModelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
     data: DataConfig = DataConfig()
     env: EnvConfig = EnvConfig()
     sft: SFTConfig = SFTConfig()

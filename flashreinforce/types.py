@@ -100,6 +100,30 @@ class SamplingParams:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
 
 
+NO_ROUTE = b"\xff\xff"
+"""-1 as little-endian int16: no expert recorded for this (position, layer, slot)."""
+
+
+@dataclass(frozen=True)
+class Routes:
+    """MoE routing of a token row, for rollout router replay (R3): for position j and MoE layer l, the top_k
+    experts the engine's router chose for token j (-1 where none was recorded, e.g. the last token, which the
+    engine never feeds). Little-endian int16 bytes in (positions, layers, top_k) order: compact, and like the
+    tuples elsewhere they pickle and compare without numpy or torch."""
+
+    layers: int
+    top_k: int
+    data: bytes
+
+    @property
+    def positions(self) -> int:
+        return len(self.data) // (2 * self.layers * self.top_k)
+
+    def extended(self, count: int) -> Routes:
+        """These routes with `count` positions of no route appended (tokens the engine has not read yet)."""
+        return Routes(self.layers, self.top_k, self.data + NO_ROUTE * (count * self.layers * self.top_k))
+
+
 @dataclass(frozen=True)
 class Generation:
     """What the engine hands back for one request: finished, or partial (finish_reason "abort").
@@ -127,6 +151,11 @@ class Generation:
     random stream of an uninterrupted run. Picklable."""
     episode: EpisodeState | None = None
     """A multi-turn episode's state (None for single-turn); the engine neither reads nor keeps it."""
+    routes: Routes | None = None
+    """An MoE engine's routing of prompt_ids + token_ids (one position per token); None for a dense model."""
+    stale_context: bool = False
+    """Some token was sampled while the KV cache held positions read by older weights (an in-flight weight
+    update): its behavior log-prob is not what its own version's weights give for the whole row."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -134,6 +163,10 @@ class Generation:
         if self.policy_logprobs is not None:
             lengths += (len(self.policy_logprobs),)
         assert all(m == n for m in lengths), f"misaligned generation {self.request_id}: {n} tokens, arrays {lengths}"
+        if self.routes is not None:
+            total = len(self.prompt_ids) + n
+            assert self.routes.positions == total, f"generation {self.request_id}: routes of " \
+                f"{self.routes.positions} positions for {total} tokens"
 
     @property
     def num_sampled(self) -> int:
@@ -204,10 +237,16 @@ class Trajectory:
     """How many of the prompt's tokens are an AHRL hint."""
     episode: EpisodeState | None = None
     """A multi-turn trajectory's actions, rewards and tool calls (None for single-turn)."""
+    routes: Routes | None = None
+    """The rollout's MoE routing of `tokens` (R3), None for a dense model."""
+    stale_context: bool = False
+    """See Generation.stale_context."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
         lengths = (len(self.loss_mask), len(self.behavior_logprobs), len(self.policy_versions))
+        if self.routes is not None:
+            lengths += (self.routes.positions,)
         assert all(m == n for m in lengths), f"misaligned trajectory {self.key}: {n} tokens, arrays {lengths}"
         assert 0 < self.prompt_length <= n, f"trajectory {self.key}: prompt_length {self.prompt_length} of {n}"
 

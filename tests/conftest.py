@@ -64,6 +64,16 @@ def agent_run() -> list[str]:
     return list(AGENT_RUN)
 
 
+MOE_RUN = [*TINY_RUN, "model.tiny.num_experts=4", "precision.trainer=bf16", "precision.rollout=bf16",
+           "precision.mode=unified"]
+"""The tiny run on a Qwen2-MoE model (routes recorded and replayed) with unified bf16 numerics."""
+
+
+@pytest.fixture
+def moe_run() -> list[str]:
+    return list(MOE_RUN)
+
+
 # A Qwen2.5-style ChatML template (system default, tool responses merged into one user turn, generation prompt).
 QWEN_CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"

@@ -86,7 +86,7 @@ def flashreinforce_loss(
         rewards = rewards.to(dtype)
         advantages = rewards - (rewards.mean() if reward_mean is None else reward_mean)  # (B,)
 
-        sequence_kl = _sequence_bernoulli_kl(behavior, current, lengths)  # (B,)
+        sequence_kl = sequence_bernoulli_kl(behavior, current, lengths)  # (B,)
         admitted = sequence_kl <= delta  # (B,)
         kept = action_mask
         if negative_token_fraction < 1:
@@ -119,7 +119,7 @@ def flashreinforce_loss(
     return loss, stats
 
 
-def _sequence_bernoulli_kl(behavior: Tensor, current: Tensor, lengths: Tensor) -> Tensor:
+def sequence_bernoulli_kl(behavior: Tensor, current: Tensor, lengths: Tensor) -> Tensor:
     """D_i = max(0, mean over policy tokens of KL(Bernoulli(p) || Bernoulli(q))), p from behavior, q current.
 
     Treats "the sampled token vs everything else" as a coin: cheap (no vocabulary), and sensitive both to

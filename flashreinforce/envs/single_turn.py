@@ -74,4 +74,6 @@ def to_trajectory(
         verdict=verdict,
         hint_length=hint_length,
         episode=generation.episode,
+        routes=generation.routes,
+        stale_context=generation.stale_context,
     )

@@ -1,7 +1,8 @@
 """Plots of a run, drawn from metrics.jsonl alone: no torch, no live run needed.
 
 `plot_run(run_dir)` writes plots/{reward,heldout_accuracy,entropy,acceptance_rate,lag_histogram,
-tokens_per_second}.png (a plot whose metric a run never logged is skipped and named in the return value).
+tokens_per_second,mismatch,sequence_kl,rejections}.png (a plot whose metric a run never logged is skipped
+and named in the return value).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ LINE_PLOTS = {
     "entropy": (["entropy/mean"], "mean token entropy (nats)"),
     "acceptance_rate": (["loss/acceptance_rate"], "trust-region acceptance rate"),
     "tokens_per_second": (["throughput/tokens_per_second"], "generated tokens / s"),
+    "mismatch": (["mismatch/same_weights_abs_mean", "mismatch/same_weights_abs_max", "mismatch/abs_logprob_diff"],
+                 "|behavior - recomputed| log-prob (same weights; all tokens)"),
+    "sequence_kl": (["mismatch/seq_kl_p50", "mismatch/seq_kl_p90", "mismatch/seq_kl_max"],
+                    "sequence Bernoulli KL D_i (p50, p90, max)"),
+    "rejections": (["mismatch/gate_rejected_fraction", "loss/mismatch/masked_fraction",
+                    "mismatch/route_disagreement"], "rejected rows, masked tokens, differing MoE routes"),
 }
+LOG_SCALE = frozenset({"mismatch", "sequence_kl"})
+"""Plots whose series span orders of magnitude (1e-6 in fp32 next to 1e-1 in bf16)."""
 
 
 def _series(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
@@ -46,6 +55,8 @@ def plot_run(run_dir: Path) -> dict[str, str]:
             if xs:
                 axis.plot(xs, ys, marker="." if len(xs) < 30 else None, label=name)
         axis.set_title(title)
+        if plot_name in LOG_SCALE:
+            axis.set_yscale("symlog", linthresh=1e-7)  # log scale that still shows an exact 0
         axis.set_xlabel("optimizer step")
         axis.grid(alpha=0.3)
         axis.legend()

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2MoeConfig,
+)
+
+from flashreinforce.models.moe import check_moe_arguments, init_zero_routers
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -46,12 +53,25 @@ def build_model(
     eos_token_id: int | None = None,
     dtype: torch.dtype | str = torch.float32,
     seed: int = 0,
+    num_experts: int = 0,
+    experts_per_token: int = 2,
+    moe_intermediate_size: int | None = None,
 ) -> PreTrainedModel:
     """A freshly initialised Qwen2-style causal LM (RoPE, RMSNorm, SwiGLU MLP, GQA-capable).
 
     Meant for tests and the default recipe (hidden 64-512). `intermediate_size` defaults to
     4 * hidden_size. The weights depend only on the arguments and `seed`; the global torch RNG is
     left untouched.
+
+    `num_experts=0` (the default) builds the dense Qwen2 model. `num_experts >= 2` builds a Qwen2-MoE
+    model instead (so MoE code paths such as router replay, see models/moe.py, can be tested on a small
+    model): every layer sparse, `experts_per_token` routed experts per token with normalised top-k
+    weights, plus one always-on shared expert of width hidden_size. Each routed expert's width
+    `moe_intermediate_size` defaults to hidden_size, so the active MLP width (k experts + the shared
+    one, 3 * hidden_size at k=2) stays near the dense model's 4 * hidden_size, as in released MoE
+    models whose experts are narrower than the hidden size. Arguments that would have no effect are
+    refused: `intermediate_size` with experts (no layer is dense), `moe_intermediate_size` without.
+    `experts_per_token` is ignored for a dense model (its default cannot be told from a given value).
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if vocab_size < 2:
@@ -65,23 +85,38 @@ def build_model(
     for name, token_id in (("pad_token_id", pad_token_id), ("eos_token_id", eos_token_id)):
         if token_id is not None and not 0 <= token_id < vocab_size:
             raise ValueError(f"{name}={token_id} is outside the vocabulary [0, {vocab_size})")
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=pad_token_id,
-        eos_token_id=eos_token_id,
-        bos_token_id=None,
-    )
+    check_moe_arguments(num_experts, experts_per_token, intermediate_size, moe_intermediate_size)
+    shared = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings,
+        "pad_token_id": pad_token_id,
+        "eos_token_id": eos_token_id,
+        "bos_token_id": None,
+    }
+    if num_experts:
+        config = Qwen2MoeConfig(
+            **shared,
+            intermediate_size=4 * hidden_size,  # for dense layers only, and there are none
+            num_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=moe_intermediate_size or hidden_size,
+            shared_expert_intermediate_size=hidden_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    else:
+        config = Qwen2Config(**shared, intermediate_size=intermediate_size or 4 * hidden_size)
     # fork_rng: a model built in the middle of a run must not shift the run's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=resolve_dtype(dtype))
+        init_zero_routers(model)
     return model
 
 

@@ -11,7 +11,9 @@ costs no extra forward (on a CPU a forward's fixed cost dominates); a prompt + p
 `prefill_threshold` gets one batched prefill forward when admitted instead.
 
 Each sampled token records its behavior log-prob, under the distribution it was actually drawn from
-(after temperature / top-k / top-p), and the weight version that drew it. The engine knows nothing
+(after temperature / top-k / top-p), and the weight version that drew it. An MoE model's routers are
+recorded too, the top-k experts of every position and layer as it was last read (rollout router replay:
+the trainer replays them). The engine's weights are kept in its numerics (bf16, fp8: models/numerics.py). The engine knows nothing
 about environments, verifiers, schedulers or text: the tokenizer only serves stop strings. It is
 single-threaded; `AsyncEngine` drives it from a thread for asyncio callers.
 """
@@ -23,12 +25,15 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from flashreinforce.models.moe import RouteRecorder, route_shape
+from flashreinforce.models.numerics import Numerics, format_tensor, fp8_parameter_names
 from flashreinforce.rollout.kv_cache import SlotCache
 from flashreinforce.rollout.sampling import counter_uniforms, processed_logprobs, sample, stream_key
-from flashreinforce.types import FORCED_VERSION, FinishReason, Generation, SamplingParams
+from flashreinforce.types import FORCED_VERSION, FinishReason, Generation, Routes, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,10 @@ class _Request:
     end: int
     """Total length (prompt + tokens) at which the budget or the context runs out."""
     kv_len: int = 0
+    routes: np.ndarray | None = None
+    """MoE: (positions, layers, top_k) int16, the experts chosen when each position was last read; -1 unread."""
+    stale_context: bool = False
+    """Weights were loaded while this request held KV: later tokens attend to positions read by older weights."""
 
     @property
     def length(self) -> int:
@@ -87,7 +96,8 @@ def append_forced_tokens(generation: Generation, token_ids: Sequence[int]) -> Ge
     """A copy of `generation` with tokens nobody sampled appended (an environment observation).
 
     They get loss_mask 0, behavior log-prob 0.0 and version FORCED_VERSION (policy log-prob 0.0
-    when tracked). Submitting the result as `prefix` continues the request after them.
+    when tracked, no MoE route until the engine reads them). Submitting the result as `prefix`
+    continues the request after them.
     """
     k = len(token_ids)
     return replace(
@@ -97,6 +107,7 @@ def append_forced_tokens(generation: Generation, token_ids: Sequence[int]) -> Ge
         policy_versions=generation.policy_versions + (FORCED_VERSION,) * k,
         loss_mask=generation.loss_mask + (0,) * k,
         policy_logprobs=None if generation.policy_logprobs is None else generation.policy_logprobs + (0.0,) * k,
+        routes=None if generation.routes is None else generation.routes.extended(k),
     )
 
 
@@ -148,8 +159,13 @@ class Engine:
         seed: int = 0,
         prefill_threshold: int = 32,
         split_min_saving: int = 4096,
+        numerics: Numerics | None = None,
     ):
         """`model` becomes the engine's own (set to eval mode, weights replaced by load_weights).
+
+        `numerics` (models/numerics.py): the model is cast to its compute dtype, and its weights and every
+        loaded state dict are put in its format (rounded to bf16, or fp8-quantized). None keeps the model's
+        own dtype and loads weights as they come.
 
         max_context bounds prompt + generation. `seed` draws the stream keys of unseeded requests.
         `split_min_saving`: a decoding step runs as two forwards, long rows and short rows, when that spares
@@ -178,7 +194,17 @@ class Engine:
             raise ValueError(f"prefill_threshold={prefill_threshold}: must be >= 0")
         if split_min_saving < 0:
             raise ValueError(f"split_min_saving={split_min_saving}: must be >= 0")
+        self.numerics = numerics
+        self._fp8_names = fp8_parameter_names(model) if numerics and numerics.precision == "fp8" else frozenset()
+        if numerics is not None:
+            model.to(numerics.compute_dtype)
+            with torch.no_grad():
+                for name, tensor in model.state_dict().items():
+                    tensor.copy_(self._formatted(name, tensor))
         self.model = model.eval()
+        # An MoE model's routers are recorded for router replay (R3) in every forward, for the engine's life.
+        self._route_shape = route_shape(model)
+        self._recorder = RouteRecorder(model).__enter__() if self._route_shape else None
         self.max_batch_size, self.max_context = max_batch_size, max_context
         self.eos_token_ids, self.pad_token_id, self.tokenizer = frozenset(eos), pad_token_id, tokenizer
         self.prefill_threshold = prefill_threshold
@@ -329,8 +355,16 @@ class Engine:
             raise ValueError(f"load_weights: version {version} is older than the engine's version {self._version}")
         with torch.no_grad():
             for name, tensor in own.items():
-                tensor.copy_(state_dict[name])
+                tensor.copy_(self._formatted(name, state_dict[name]))
+        if version != self._version:
+            for r in self._running:
+                r.stale_context = r.stale_context or r.kv_len > 0
         self._version = version
+
+    def _formatted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.numerics is None or not self.numerics.formats_weights:
+            return tensor
+        return format_tensor(tensor, self.numerics, fp8=name in self._fp8_names)
 
     # ----------------------------------------------------------------------------------------------
     # Requests
@@ -378,6 +412,8 @@ class Engine:
             turn_start=0,
             end=min(len(prompt) + params.max_new_tokens, self.max_context),
         )
+        if self._route_shape is not None:
+            request.routes = self._route_buffer(request, prefix)
         if prefix is not None:
             request.tokens, request.logprobs = list(prefix.token_ids), list(prefix.behavior_logprobs)
             request.versions, request.loss_mask = list(prefix.policy_versions), list(prefix.loss_mask)
@@ -385,7 +421,20 @@ class Engine:
                 request.policy_logprobs = list(prefix.policy_logprobs)
             forced = [j for j, m in enumerate(prefix.loss_mask) if m == 0]
             request.turn_start = forced[-1] + 1 if forced else 0
+            request.stale_context = prefix.stale_context
         return request
+
+    def _route_buffer(self, request: _Request, prefix: Generation | None) -> np.ndarray:
+        """-1 everywhere, then the prefix's routes (positions read again are overwritten as they are read)."""
+        size = max(request.end, len(request.prompt_ids) + (len(prefix.token_ids) if prefix else 0))
+        routes = np.full((size, *self._route_shape), -1, dtype=np.int16)  # (positions, layers, top_k)
+        if prefix is not None and prefix.routes is not None:
+            if (prefix.routes.layers, prefix.routes.top_k) != self._route_shape:
+                raise ValueError(f"request {request.request_id!r}: prefix.routes are ({prefix.routes.layers} layers, "
+                                 f"top {prefix.routes.top_k}) but this model routes {self._route_shape}")
+            recorded = np.frombuffer(prefix.routes.data, dtype="<i2").reshape(-1, *self._route_shape)
+            routes[: len(recorded)] = recorded
+        return routes
 
     def _check_prefix(
         self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, prefix: Generation
@@ -419,7 +468,14 @@ class Engine:
             params=r.params,
             policy_logprobs=None if r.policy_logprobs is None else tuple(r.policy_logprobs),
             sampler_state=r.key,
+            routes=self._routes_record(r),
+            stale_context=r.stale_context,
         )
+
+    def _routes_record(self, r: _Request) -> Routes | None:
+        if r.routes is None:
+            return None
+        return Routes(*self._route_shape, r.routes[: r.length].astype("<i2").tobytes())
 
     # ----------------------------------------------------------------------------------------------
     # Batching
@@ -465,6 +521,10 @@ class Engine:
             use_cache=True,
             logits_to_keep=1,
         )
+        if self._recorder is not None:
+            routes = self._recorder.take().view(len(requests), L, *self._route_shape).numpy()  # (m, L, layers, k)
+            for i, r in enumerate(requests):
+                r.routes[: r.length - 1] = routes[i, : r.length - 1]
         for r in requests:
             r.kv_len = r.length - 1
 
@@ -496,6 +556,10 @@ class Engine:
             cache=self._cache,
             use_cache=True,
         )
+        if self._recorder is not None:
+            routes = self._recorder.take().numpy()  # (n, layers, k): row j fed position positions_list[j]
+            for j, r in enumerate(running):
+                r.routes[positions_list[j]] = routes[j]
         return out.logits[:, -1]  # (n, V)
 
     def _attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:

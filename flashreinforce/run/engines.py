@@ -15,7 +15,7 @@ from flashreinforce.envs.hints import longest_hinted_prompt
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.run.data import Data
-from flashreinforce.run.policy import Policy
+from flashreinforce.run.policy import Policy, side_numerics
 from flashreinforce.run.tables import pick_builder
 from flashreinforce.types import Prompt, SamplingParams
 
@@ -45,7 +45,8 @@ def build_local_engine(config: RunConfig, policy: Policy, shape: EngineShape) ->
     tokenizer = policy.tokenizer
     return Engine(copy.deepcopy(policy.model), max_batch_size=config.rollout.max_batch_size,
                   max_context=shape.context, eos_token_ids=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, version=shape.version, seed=shape.seed)
+                  pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, version=shape.version, seed=shape.seed,
+                  numerics=side_numerics(config, "rollout"))
 
 
 ENGINES: dict[str, Callable[[RunConfig, Policy, EngineShape], Engine]] = {

@@ -73,7 +73,7 @@ def evaluate_checkpoint(request: EvalRequest) -> dict:
     params = SamplingParams(max_new_tokens=request.max_new_tokens or config.rollout.max_new_tokens,
                             temperature=request.temperature, top_p=request.top_p,
                             stop_strings=tuple(config.env.stop_strings))
-    policy = load_policy(model_dir, dtype=config.model.dtype)
+    policy = load_policy(model_dir)
     episodes = build_episodes(config, policy.tokenizer)
     shape = EngineShape(prompt_room(config, episodes, prompts), params.max_new_tokens, version=0, seed=request.seed)
     engine = build_engine(config, policy, shape)

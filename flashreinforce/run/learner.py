@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flashreinforce.config import RunConfig
-from flashreinforce.run.policy import Policy
+from flashreinforce.run.policy import Policy, side_numerics
 from flashreinforce.trainer.process import TrainerProcess
 from flashreinforce.trainer.trainer import (
     OptimizerSettings,
@@ -31,6 +31,8 @@ def build_trainer(config: RunConfig, model, tokenizer) -> Trainer:
         overlong=OverlongShaping(algo.overlong.max_length, algo.overlong.cache) if algo.overlong else None,
         wpsm=(WPSMSettings(algo.wpsm.tau, algo.wpsm.eta, algo.wpsm.alpha, algo.wpsm.positive_only)
               if algo.wpsm else None),
+        numerics=side_numerics(config, "trainer"),
+        router_replay=trainer.router_replay,
     )
 
 

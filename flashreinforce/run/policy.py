@@ -18,6 +18,7 @@ from flashreinforce.config import RunConfig
 from flashreinforce.metrics.console import Reporter
 from flashreinforce.models import build_char_tokenizer, build_model, load_model
 from flashreinforce.models.causal_lm import check_model_dir
+from flashreinforce.models.numerics import Numerics
 from flashreinforce.run.data import Data
 from flashreinforce.run.tasks import TASKS
 from flashreinforce.trainer.sft import sft_warm_start
@@ -36,11 +37,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_policy(path: str | Path, *, dtype: str, field: str = "model path") -> Policy:
-    """Tokenizer and model of a local Hugging Face directory (never the network)."""
+def load_policy(path: str | Path, *, field: str = "model path") -> Policy:
+    """Tokenizer and fp32 model of a local Hugging Face directory (never the network). fp32: the trainer's
+    masters start from it exactly, and each side casts and formats its own copy (side_numerics)."""
     # Checked first: the tokenizer loader takes a path that does not exist for a Hub repo id.
     path = check_model_dir(path, field=field)
-    return Policy(load_tokenizer(path), load_model(path, dtype=dtype))
+    return Policy(load_tokenizer(path), load_model(path, dtype=torch.float32))
+
+
+def side_numerics(config: RunConfig, side: str) -> Numerics:
+    """The weight format and compute dtype of `side` ("trainer" or "rollout") from config.precision."""
+    precision = config.precision
+    return Numerics(precision=getattr(precision, side), unified=precision.mode == "unified",
+                    fp8_scaling=precision.fp8_scaling, fp8_block=precision.fp8_block)
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -62,11 +71,11 @@ def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporte
     The warm start is saved to run_dir/sft/ once complete and reused from there.
     """
     if config.model.path is not None:
-        return load_policy(config.model.path, dtype=config.model.dtype, field="model.path")
+        return load_policy(config.model.path, field="model.path")
     sft_dir = run_dir / "sft"
     if (sft_dir / "config.json").is_file():
         reporter.note(f"warm start: reusing {sft_dir}")
-        return load_policy(sft_dir, dtype=config.model.dtype)
+        return load_policy(sft_dir)
     policy = tiny_policy(config)
     if config.sft.steps:
         warm_start(config, data, policy, reporter)
@@ -85,7 +94,8 @@ def tiny_policy(config: RunConfig) -> Policy:
     tiny = config.model.tiny
     model = build_model(len(tokenizer), tiny.hidden_size, tiny.num_layers, tiny.num_heads,
                         tiny.max_position_embeddings, pad_token_id=tokenizer.pad_token_id,
-                        eos_token_id=tokenizer.eos_token_id, dtype=config.model.dtype, seed=config.seed)
+                        eos_token_id=tokenizer.eos_token_id, seed=config.seed, num_experts=tiny.num_experts,
+                        experts_per_token=tiny.experts_per_token)
     return Policy(tokenizer, model)
 
 

@@ -113,7 +113,7 @@ def starting_point(config: RunConfig, run_dir: Path, data: Data, resume: bool, r
     for aside, reason in resumable.skipped:
         reporter.warn(f"skipped a damaged checkpoint ({reason}), kept as {aside}; "
                       f"resuming from {resumable.checkpoint}")
-    policy = load_policy(resumable.checkpoint / "model", dtype=config.model.dtype)
+    policy = load_policy(resumable.checkpoint / "model")
     torch.set_rng_state(resumable.trainer_state["torch_rng"])
     return Start(policy, resumable.trainer_state, resumable.controller_state, resumable.meta["wall_seconds"],
                  resumable.checkpoint)

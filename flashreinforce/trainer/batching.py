@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from flashreinforce.types import FORCED_VERSION, Trajectory
@@ -32,6 +33,8 @@ class TrainBatch:
     failures: torch.Tensor  # (B,) bool: the verifier did not pass the row
     response_lengths: torch.Tensor  # (B,) long: tokens after the prompt, trained or not (masking shortens no row)
     modalities: tuple[str, ...]
+    stale_context: torch.Tensor | None = None  # (B,) bool: some token sampled over KV of older weights
+    routes: torch.Tensor | None = None  # (B, T, layers, k) int16 MoE routes of the rollout, -1 none; None: dense
 
     @property
     def num_rows(self) -> int:
@@ -45,9 +48,9 @@ class TrainBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = value[start:stop]
-                if value.dim() == 2:
+                if value.dim() >= 2:
                     value = value[:, :width]
-            else:
+            elif value is not None:
                 value = value[start:stop]
             sliced[f.name] = value
         return TrainBatch(**sliced)
@@ -110,4 +113,22 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch
         failures=torch.tensor([not t.verdict.passed for t in trajectories], dtype=torch.bool),
         response_lengths=torch.tensor([t.response_length for t in trajectories], dtype=torch.long),
         modalities=tuple(t.prompt.modality for t in trajectories),
+        stale_context=torch.tensor([t.stale_context for t in trajectories], dtype=torch.bool),
+        routes=_collate_routes(trajectories, width),
     )
+
+
+def _collate_routes(trajectories: Sequence[Trajectory], width: int) -> torch.Tensor | None:
+    """(B, T, layers, k) int16 routes, -1 on padding and on rows without any (None when no row has routes)."""
+    shapes = {(t.routes.layers, t.routes.top_k) for t in trajectories if t.routes is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"trajectories of one batch carry MoE routes of different shapes {sorted(shapes)}")
+    layers, top_k = shapes.pop()
+    routes = torch.full((len(trajectories), width, layers, top_k), -1, dtype=torch.int16)
+    for row, trajectory in enumerate(trajectories):
+        if trajectory.routes is not None:
+            recorded = np.frombuffer(trajectory.routes.data, dtype="<i2").reshape(-1, layers, top_k)
+            routes[row, : len(recorded)] = torch.from_numpy(recorded.copy())
+    return routes

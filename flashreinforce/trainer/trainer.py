@@ -20,7 +20,10 @@ from flashreinforce.algorithms import LOSSES, GlobalNorm, LossInputs
 from flashreinforce.algorithms.dapo import overlong_penalty
 from flashreinforce.algorithms.wpsm import mean_token_entropy, wpsm_flags, wpsm_weights
 from flashreinforce.models.logprobs import token_logprobs
+from flashreinforce.models.moe import RouteRecorder, RouteReplay, set_mismatch
+from flashreinforce.models.numerics import Numerics
 from flashreinforce.trainer.batching import TrainBatch, collate
+from flashreinforce.trainer.mismatch_stats import MismatchTally
 from flashreinforce.trainer.optim import build_optimizer
 from flashreinforce.trainer.precision import MasterWeights
 from flashreinforce.types import Trajectory
@@ -68,15 +71,20 @@ class Trainer:
         max_new_tokens: int,
         overlong: OverlongShaping | None = None,
         wpsm: WPSMSettings | None = None,
+        numerics: Numerics | None = None,
+        router_replay: bool = True,
     ) -> None:
+        """`numerics`: the trainer's weight format and compute dtype (models/numerics.py); the model is cast
+        to it here and its weights become the formatted fp32 masters. `router_replay`: an MoE model's forward
+        uses the experts the rollout chose (R3, models/moe.py) when the trajectories carry routes."""
         if loss not in LOSSES:
             raise ValueError(f"algo.loss={loss!r} is not a known loss; choose one of {sorted(LOSSES)}")
         self.model = model
         self.spec = LOSSES[loss]
         self.advantage_options, loss_options = self.spec.split_options(loss_options, loss)
         self.loss_options = {**self.spec.defaults, **loss_options}
-        # A bf16 model computes; AdamW steps fp32 masters of its weights (precision.py says why).
-        self.masters = MasterWeights(model)
+        # A bf16/fp8 model computes; AdamW steps fp32 masters of its weights (precision.py says why).
+        self.masters = MasterWeights(model, numerics)
         self.optimizer, self.schedule = build_optimizer(
             self.masters.params,
             lr=optimizer.lr,
@@ -94,6 +102,7 @@ class Trainer:
         self.max_new_tokens = max_new_tokens
         self.overlong = overlong
         self.wpsm = wpsm
+        self.router_replay = router_replay
         self.version = 0
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -116,7 +125,12 @@ class Trainer:
         if self.wpsm is not None:
             metrics["wpsm/flagged_fraction"] = tally.wpsm_flagged / batch.num_rows
         metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
+        metrics.update(tally.mismatch.metrics(self._gate_delta()))
         return metrics
+
+    def _gate_delta(self) -> float | None:
+        """The FlashREINFORCE trust-region delta, None for other losses (they have no sequence gate)."""
+        return float(self.loss_options["delta"]) if "delta" in self.loss_options else None
 
     def _targets(self, batch: TrainBatch) -> _Targets:
         """What the loss needs from the WHOLE batch, before it is split: shaped rewards, advantages, normalizers."""
@@ -134,8 +148,7 @@ class Trainer:
 
     def _backward(self, micro: TrainBatch, rows: slice, targets: _Targets, tally: _Tally) -> None:
         """Forward and backward of one microbatch: its share of the batch loss, gradients accumulated."""
-        logprobs, entropies = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
-                                             temperature=self.temperature, with_entropy=True)
+        logprobs, entropies = self._policy_forward(micro, tally)
         entropies = entropies.detach()
         weights = None
         if self.wpsm is not None:
@@ -151,6 +164,28 @@ class Trainer:
         loss, stats = self.spec.objective(inputs, targets.norm, **self.loss_options)
         loss.backward()
         tally.add(micro, loss, stats, logprobs.detach(), entropies)
+        tally.mismatch.add(micro, logprobs.detach(), version=self.version)
+
+    def _policy_forward(self, micro: TrainBatch, tally: _Tally) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies; an MoE rollout's routes are replayed (R3) or, with replay off,
+        compared with the trainer's own choice (mismatch/route_disagreement either way)."""
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            return token_logprobs(self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature,
+                                  with_entropy=True)
+        if micro.routes is None:
+            return forward()
+        if self.router_replay:
+            with RouteReplay(self.model, micro.routes) as replay:
+                outputs = forward()
+            tally.mismatch.add_routes(*replay.disagreement())
+            return outputs
+        with RouteRecorder(self.model) as recorder:
+            outputs = forward()
+        own = recorder.take().view(micro.routes.shape)  # (b, T, layers, k)
+        recorded = micro.routes[..., 0] >= 0  # (b, T, layers)
+        differing = set_mismatch(micro.routes.long(), own.long()) & recorded
+        tally.mismatch.add_routes(int(differing.sum()), int(recorded.sum()))
+        return outputs
 
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip, step and advance the schedule; returns (grad norm before clipping, lr of this step)."""
@@ -219,6 +254,7 @@ class _Tally:
     padded_cells: int = 0
     """(rows x width) actually fed to the model."""
     real_cells: int = 0
+    mismatch: MismatchTally = field(default_factory=MismatchTally)
 
     def add(self, micro: TrainBatch, loss: torch.Tensor, stats: Mapping[str, torch.Tensor], logprobs: torch.Tensor,
             entropies: torch.Tensor) -> None:

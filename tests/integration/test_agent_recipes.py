@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow  # whole runs with sandboxed tool calls, ~10 s eac
 def _local(model_dir, data, tiny_run):
     """The GPU recipes' settings brought down to this machine: the embedded engine, one process, tiny budgets."""
     keep = [o for o in tiny_run if o.startswith(("log.", "verifier."))]
-    return [*keep, f"model.path={model_dir}", "model.dtype=float32", f"data.train={data}", f"data.eval={data}",
+    return [*keep, f"model.path={model_dir}", "precision.trainer=fp32", "precision.rollout=fp32",
+            f"data.train={data}", f"data.eval={data}",
             "rollout.engine=local", "backend.kind=local", "rollout.max_batch_size=8", "rollout.max_new_tokens=24",
             "scheduler.batch_groups=4", "trainer.steps=2", "trainer.checkpoint_every=1", "trainer.microbatch_size=4",
             "trainer.warmup_steps=0", "eval.num_prompts=4", "eval.k=1", "eval.every=0", "env.max_prompt_tokens=64",
@@ -65,3 +66,19 @@ def test_episodes_run_under_every_scheduler_and_with_wpsm_and_the_entropy_filter
     trained = [m for m in metrics if "loss/policy" in m]
     ended = [sum(v for k, v in m.items() if k.startswith("episode/end/")) for m in trained]
     assert len(trained) == 2 and 0 < ended[0] <= ended[1]  # counters of ended episodes, over the whole run
+
+
+def test_moe_episodes_record_and_replay_routes_across_turns(agent_run, tmp_path):
+    """Multi-turn rows on an MoE model, unified bf16, sync (every token sampled by the weights it trains): the
+    routes of every turn, re-read after each observation, are the trainer's own, and log-probs agree."""
+    config = load_config(agent_run[0], [*agent_run[1:], "trainer.steps=2", "scheduler.kind=sync",
+                                        "model.tiny.num_experts=4", "precision.trainer=bf16",
+                                        "precision.rollout=bf16", "precision.mode=unified"])
+    summary = run_training(config, run_dir=tmp_path / "run")
+    assert summary["optimizer_steps"] == 2
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if "loss/policy" in m]
+    assert all(m["mismatch/route_disagreement"] == 0.0 for m in trained)
+    assert all(m["mismatch/same_weights_tokens"] == m["batch/policy_tokens"] for m in trained)
+    assert all(m["mismatch/same_weights_abs_max"] < 1e-4 for m in trained)
+    assert summary["initial_turns"] > 1  # the rows are multi-turn: observations between turns

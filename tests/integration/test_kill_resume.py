@@ -107,7 +107,7 @@ def _resume_mid_episode(run_dir: Path) -> None:
             shutil.rmtree(newer)
 
 
-@pytest.mark.parametrize("run", ["tiny_run", "agent_run"])
+@pytest.mark.parametrize("run", ["tiny_run", "agent_run", "moe_run"])
 def test_deterministic_kill_and_resume_ends_with_identical_weights(run, request, tmp_path):
     tiny_run = request.getfixturevalue(run)
     _run(_command(tmp_path / "straight", tiny_run, "--deterministic"))
@@ -116,6 +116,7 @@ def test_deterministic_kill_and_resume_ends_with_identical_weights(run, request,
     _kill_midway(_command(killed, tiny_run, "--deterministic"), killed, after_step=2, delay=rng.uniform(0, 0.2))
     if run == "agent_run":
         _resume_mid_episode(killed)
+
     assert not (killed / "summary.json").exists()
     _run([sys.executable, "-m", "flashreinforce", "train", "--resume", str(killed)])
     _assert_complete(killed)
@@ -125,12 +126,17 @@ def test_deterministic_kill_and_resume_ends_with_identical_weights(run, request,
         assert (straight[name] == resumed[name]).all(), f"{name} differs after kill and resume"
 
 
-@pytest.mark.parametrize(("run", "delay"), [("tiny_run", 0.0), ("tiny_run", 0.2), ("agent_run", 0.1)])
+@pytest.mark.parametrize(("run", "delay"), [("tiny_run", 0.0), ("tiny_run", 0.2), ("agent_run", 0.1),
+                                            ("moe_run", 0.1)])
 def test_overlapped_kill_and_resume_trains_every_rollout_once(run, request, tmp_path, delay):
     run_dir = tmp_path / "run"
     _kill_midway(_command(run_dir, request.getfixturevalue(run)), run_dir, after_step=3, delay=delay)
     if run == "agent_run":
         _resume_mid_episode(run_dir)
+    if run == "moe_run":  # the partial rollouts a checkpoint holds keep their MoE routes (R3) into the resume
+        _, controller_state, _ = load_states(latest_checkpoint(run_dir / "checkpoints"))
+        partials = [partial for _, partial in controller_state["inflight"]]
+        assert partials and all(p.routes is not None and p.routes.layers == 1 for p in partials)
     _run([sys.executable, "-m", "flashreinforce", "train", "--resume", str(run_dir)])
     _assert_complete(run_dir)
 

@@ -19,7 +19,7 @@ def test_default_loop_writes_a_complete_run_directory(tiny_run, tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert {p.name for p in (run / "plots").glob("*.png")} >= {
         "reward.png", "heldout_accuracy.png", "entropy.png", "acceptance_rate.png", "lag_histogram.png",
-        "tokens_per_second.png"}
+        "tokens_per_second.png", "mismatch.png", "sequence_kl.png"}
     assert summary == json.loads((run / "summary.json").read_text())
     assert summary["optimizer_steps"] == 3
     assert summary["trained_trajectories"] == 3 * 8
@@ -29,6 +29,8 @@ def test_default_loop_writes_a_complete_run_directory(tiny_run, tmp_path):
     assert steps == [1, 2, 3]
     # the embedded engine and the trainer share model code: train/inference mismatch ~ 0 in fp32
     assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows if "loss/policy" in r)
+    assert all(r["mismatch/same_weights_abs_max"] < 1e-4 for r in rows if r.get("mismatch/same_weights_tokens"))
+    assert any(r.get("mismatch/same_weights_tokens") for r in rows)
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["completion"] and s["prompt"].endswith("=") for s in samples)
     trainer_state, controller_state, _ = load_states(latest_checkpoint(run / "checkpoints"))
