@@ -140,7 +140,20 @@ def set_mismatch(recorded: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     return (recorded.sort(dim=-1).values != own.sort(dim=-1).values).any(dim=-1)  # (N,)
 
 
-class RouteRecorder:
+class _RouterHooks:
+    """Forward hooks a context manager registers on entry and removes on exit, even after an exception."""
+
+    handles: list[RemovableHandle]
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+class RouteRecorder(_RouterHooks):
     """Captures the experts every router chooses, one (N, L, k) int16 tensor per forward.
 
     `with RouteRecorder(model) as recorder: model(ids); routes = recorder.take()`. N is the number of
@@ -166,12 +179,6 @@ class RouteRecorder:
             self.handles.append(router.register_forward_hook(self.hook_for(layer)))
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
     def hook_for(self, layer: int) -> Callable:
         """The forward hook of router `layer`: keep its chosen indices (no replacement of the output)."""
@@ -228,7 +235,7 @@ def check_routes(routes: torch.Tensor, num_layers: int, top_k: int, num_experts:
     return routes
 
 
-class RouteReplay:
+class RouteReplay(_RouterHooks):
     """Replays recorded routes in every forward inside the block (R3): the experts used are the recorded ones.
 
     `with RouteReplay(model, routes): model(ids)` with routes (B, T, L, k) aligned with ids (B, T); -1
@@ -259,12 +266,6 @@ class RouteReplay:
             self.handles.append(router.register_forward_hook(self.hook_for(layer)))
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
     def check_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Refuse a forward whose tokens are not the routes' (B, T): the flat N alone lets (2, 3) pass as (3, 2)."""

@@ -13,9 +13,9 @@ costs no extra forward (on a CPU a forward's fixed cost dominates); a prompt + p
 Each sampled token records its behavior log-prob, under the distribution it was actually drawn from
 (after temperature / top-k / top-p), and the weight version that drew it. An MoE model's routers are
 recorded too, the top-k experts of every position and layer as it was last read (rollout router replay:
-the trainer replays them). The engine's weights are kept in its numerics (bf16, fp8: models/numerics.py). The engine knows nothing
-about environments, verifiers, schedulers or text: the tokenizer only serves stop strings. It is
-single-threaded; `AsyncEngine` drives it from a thread for asyncio callers.
+the trainer replays them). The engine keeps its weights in its numerics (bf16, fp8: models/numerics.py).
+The engine knows nothing about environments, verifiers, schedulers or text: the tokenizer only serves
+stop strings. It is single-threaded; `AsyncEngine` drives it from a thread for asyncio callers.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """A weight load while a request holds KV marks it stale_context: its later tokens attend to positions read by
 older weights, so the trainer leaves it out of the same-weights mismatch figure."""
 
-import torch
-
 from flashreinforce.models import build_model
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.types import SamplingParams
