@@ -346,6 +346,9 @@ class EvalConfig(_Section):
     """Evaluation nucleus truncation."""
     every: int = Field(0, ge=0)
     """Optimizer steps between held-out evaluations during training (0 = only before and after)."""
+    greedy: bool = True
+    """Also decode each prompt once greedily: eval/greedy_accuracy and eval/distinct_answers (the share of
+    distinct greedy answers), which expose a policy that collapsed to one answer while avg@k still rose."""
 
 
 class VerifierConfig(_Section):

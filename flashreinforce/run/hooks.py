@@ -28,7 +28,7 @@ class HeldOut:
 
     async def report(self) -> EvalReport:
         return await evaluate(self.backend, self.episodes, self.prompts, k=self.config.eval.k,
-                              params=eval_params(self.config), seed=self.config.seed)
+                              params=eval_params(self.config), seed=self.config.seed, greedy=self.config.eval.greedy)
 
     async def metrics(self, version: int) -> dict[str, float]:
         """The loop's EvalHook: flat eval/* metrics (the weights of `version` are the engine's)."""

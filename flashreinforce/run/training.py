@@ -224,5 +224,5 @@ def summarize(parts: RunParts, initial: dict[str, float], final: dict[str, float
         "skipped_data_rows": parts.data.skipped_rows,
         "verifier": parts.pool.stats(),
         **{f"{when}_{name}": metrics[f"eval/{name}"] for when, metrics in (("initial", initial), ("final", final))
-           for name in ("turns", "tool_calls") if f"eval/{name}" in metrics},
+           for name in ("greedy_accuracy", "distinct_answers", "turns", "tool_calls") if f"eval/{name}" in metrics},
     }
