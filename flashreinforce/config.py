@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 SINGLE_ROLLOUT_LOSSES = frozenset({"flashreinforce", "reinforce++"})
@@ -50,8 +50,9 @@ class TinyModelConfig(_Section):
 
 class ModelConfig(_Section):
     path: str | None = None
-    """Local directory of a Hugging Face causal LM (weights + tokenizer). None builds `tiny` from scratch
-    with the synthetic task's character tokenizer (and warm-starts it with `sft`)."""
+    """Local directory of a Hugging Face causal LM (weights + tokenizer), or the name of a model converted by
+    `flashreinforce models get` (e.g. smollm2-135m-instruct). None builds `tiny` from scratch with the
+    synthetic task's character tokenizer (and warm-starts it with `sft`)."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the model built when `path` is None."""
 
@@ -126,10 +127,34 @@ class TextGameDataConfig(_Section):
     """Seed of the layouts."""
 
 
+class ReasoningGymConfig(_Section):
+    tasks: list[str] | dict[str, float] = ["basic_arithmetic"]
+    """reasoning-gym task names, equally weighted ([leg_counting, gsm_symbolic]), or name -> weight
+    ({basic_arithmetic: 3, leg_counting: 1}): each task's share of the train and held-out prompts."""
+    config: dict[str, dict[str, Any]] = {}
+    """Per-task generator settings, the fields of the task's reasoning-gym config (seed and size are set here),
+    e.g. {basic_arithmetic: {max_terms: 2, max_digits: 2, operators: ["+", "-"]}}; unset fields keep
+    reasoning-gym's defaults, which are hard for a small model."""
+    num_train: int = Field(10000, ge=1)
+    """Training prompts generated (split over the tasks by weight)."""
+    num_eval: int = Field(256, ge=1)
+    """Held-out prompts drawn from the same generators and settings with another seed, repeats left out
+    (kind=reasoning_gym only); training skips every held-out question."""
+    seed: int = Field(1234, ge=0)
+    """Seed of the generated prompts (independent of the run seed, so runs share data)."""
+    instruction: str = 'Give your final answer at the end, after "The answer is".'
+    """Appended to every question (GSM8K's too): how to give the answer so that the math verifier finds it."""
+    eval_gsm8k: bool = False
+    """Also hold out the 100 real GSM8K test problems (data_source gsm8k, reported apart); kind=reasoning_gym."""
+
+
 class DataConfig(_Section):
-    kind: Literal["arithmetic", "files", "tool_multiply", "text_game"] = "arithmetic"
+    kind: Literal["arithmetic", "files", "tool_multiply", "text_game", "reasoning_gym", "gsm8k"] = "arithmetic"
     """arithmetic: the built-in synthetic task. files: `train` / `eval` in the common RL format. tool_multiply /
-    text_game: the built-in agent tasks (with env.kind=python_tool / text_game)."""
+    text_game: the built-in agent tasks (with env.kind=python_tool / text_game). reasoning_gym: tasks generated
+    by reasoning-gym (extra `reasoning-gym`), train and held-out from one distribution (data.reasoning_gym).
+    gsm8k: train on reasoning-gym's GSM8K-derived gsm_symbolic, hold out the 100 real GSM8K test problems
+    (docs/data.md)."""
     train: str | None = None
     """Training data (.jsonl, .parquet, or a `datasets.save_to_disk` directory) when kind=files."""
     eval: str | None = None
@@ -140,6 +165,8 @@ class DataConfig(_Section):
     """The tool task's settings when kind=tool_multiply."""
     text_game: TextGameDataConfig = TextGameDataConfig()
     """The text game's layouts when kind=text_game."""
+    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
+    """The generated tasks when kind=reasoning_gym (and the training side of kind=gsm8k)."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed row stops the run with its file and row number (error) or is skipped and counted."""
     shuffle_seed: int = 0
@@ -304,6 +331,36 @@ class AlgoConfig(_Section):
     """Adaptive hint-based RL (None = off)."""
 
 
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1)
+    """Rank of each adapter: a linear layer W (out x in) trains B (out x r) @ A (r x in) instead."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale of the update: W + (alpha / r) * B @ A (alpha / sqrt(r) with rslora)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training. Above 0 the trainer's recomputed log-probs are of a
+    dropped-out policy the engine never sampled from, which the mismatch figures and the trust region then
+    count as off-policy: keep 0 for RL unless you mean it."""
+    target_modules: list[str] | Literal["all-linear"] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"]
+    """Linear layers that get an adapter: names matched against each module's full dotted name or its end
+    (q_proj matches model.layers.3.self_attn.q_proj), each of which must match at least one linear layer; or
+    "all-linear": every linear layer but the output layer and MoE routers/gates. The output layer is never
+    adapted. MoE models: routed experts are 3D parameter stacks, not linear layers, and stay frozen (with
+    these defaults, attention and the shared expert are adapted)."""
+    rslora: bool = False
+    """Rank-stabilized scaling alpha / sqrt(r) instead of alpha / r (peft use_rslora)."""
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names_or_all_linear(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f"{value!r} is a single name: give a list of module names (e.g. [q_proj, v_proj]) "
+                             "or \"all-linear\"")
+        if isinstance(value, list) and (not value or not all(isinstance(n, str) and n for n in value)):
+            raise ValueError("name at least one module, each a non-empty string (or use \"all-linear\")")
+        return value
+
+
 class TrainerConfig(_Section):
     steps: int = Field(120, ge=0)
     """Optimizer steps of RL (one per learner batch)."""
@@ -329,6 +386,9 @@ class TrainerConfig(_Section):
     router_replay: bool = True
     """MoE models: the trainer's forward uses the experts the rollout engine chose for each token and layer
     (rollout router replay, R3), with gate weights from the live router logits; false routes afresh."""
+    lora: LoraConfig | None = None
+    """LoRA adapters (peft, the lora extra) on the model's linear layers: only they train, the base stays frozen,
+    and each weight push and saved model is the merged full model (docs/lora.md). None = full fine-tuning."""
     checkpoint_every: int = Field(20, ge=0)
     """Optimizer steps between checkpoints (0 = only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -416,9 +476,10 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        if self.model.path is None and self.data.kind == "files":
-            raise ValueError("model.path is required with data.kind=files (the built-in tiny model only knows the "
-                             "built-in tasks' tokenizers)")
+        if self.model.path is None and self.data.kind in ("files", "reasoning_gym", "gsm8k"):
+            raise ValueError(f"model.path is required with data.kind={self.data.kind} (the built-in tiny model only "
+                             "knows the built-in tasks' tokenizers), e.g. model.path=smollm2-135m-instruct after "
+                             "`flashreinforce models get smollm2-135m-instruct`")
         task_env = {"tool_multiply": "python_tool", "text_game": "text_game"}.get(self.data.kind)
         if task_env is not None and self.env.kind != task_env:
             raise ValueError(f"data.kind={self.data.kind} is an agent task: set env.kind={task_env} (it is "

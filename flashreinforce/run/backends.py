@@ -78,3 +78,7 @@ def check_buildable(config: RunConfig) -> None:
     pick_builder(BACKENDS, "backend.kind", config.backend.kind)
     if config.env.multi_turn:
         resolve_env_class(env_spec(config))  # an unknown kind, a missing extra or a bad user file fails now
+    if config.trainer.lora is not None:
+        from flashreinforce.trainer.lora import require_peft
+
+        require_peft()  # before data, the warm start and the model load

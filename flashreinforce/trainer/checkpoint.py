@@ -1,8 +1,10 @@
 """Atomic, step-stamped checkpoints: write into a temporary directory, fsync, rename.
 
 A checkpoint directory `step_000040/` holds:
-  model/          Hugging Face format (safetensors + config + tokenizer): `from_pretrained` loads it
-  trainer.pt      optimizer, lr schedule, policy version, RNG states
+  model/          Hugging Face format (safetensors + config + tokenizer): `from_pretrained` loads it; with
+                  trainer.lora the merged model, and model/adapter/ the adapter alone (peft format)
+  trainer.pt      optimizer, lr schedule, policy version, RNG states; with trainer.lora the adapter and the
+                  frozen base of its layers, which a resume restores (trainer/lora.py says why)
   controller.pt   scheduler/buffer state with the exactly-once ledger, in-flight partial rollouts, counters
   meta.json       step and wall time
 A process killed at any moment leaves either the previous checkpoint or the new one, never a torn one: the

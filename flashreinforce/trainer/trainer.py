@@ -23,6 +23,7 @@ from flashreinforce.models.logprobs import token_logprobs
 from flashreinforce.models.moe import RouteRecorder, RouteReplay, set_mismatch
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.trainer.batching import TrainBatch, collate
+from flashreinforce.trainer.lora import LoraAdapter, LoraSettings, attach_lora
 from flashreinforce.trainer.mismatch_stats import MismatchTally
 from flashreinforce.trainer.optim import build_optimizer
 from flashreinforce.trainer.precision import MasterWeights
@@ -73,18 +74,23 @@ class Trainer:
         wpsm: WPSMSettings | None = None,
         numerics: Numerics | None = None,
         router_replay: bool = True,
+        lora: LoraSettings | None = None,
     ) -> None:
         """`numerics`: the trainer's weight format and compute dtype (models/numerics.py); the model is cast
         to it here and its weights become the formatted fp32 masters. `router_replay`: an MoE model's forward
-        uses the experts the rollout chose (R3, models/moe.py) when the trajectories carry routes."""
+        uses the experts the rollout chose (R3, models/moe.py) when the trajectories carry routes.
+        `lora`: train LoRA adapters on a frozen base instead of every weight (trainer/lora.py); `model` is
+        wrapped in place, and `weights()` and `save_model` give the merged model under the base's names."""
         if loss not in LOSSES:
             raise ValueError(f"algo.loss={loss!r} is not a known loss; choose one of {sorted(LOSSES)}")
-        self.model = model
+        self.lora: LoraAdapter | None = attach_lora(model, lora, numerics) if lora is not None else None
+        self.model = self.lora.model if self.lora is not None else model
         self.spec = LOSSES[loss]
         self.advantage_options, loss_options = self.spec.split_options(loss_options, loss)
         self.loss_options = {**self.spec.defaults, **loss_options}
-        # A bf16/fp8 model computes; AdamW steps fp32 masters of its weights (precision.py says why).
-        self.masters = MasterWeights(model, numerics)
+        # A bf16/fp8 model computes; AdamW steps fp32 masters of its weights (precision.py says why). With LoRA
+        # the base is already formatted and frozen, and the fp32 adapters are stepped as they are.
+        self.masters = MasterWeights(self.model, numerics if self.lora is None else None)
         self.optimizer, self.schedule = build_optimizer(
             self.masters.params,
             lr=optimizer.lr,
@@ -203,11 +209,18 @@ class Trainer:
         return float(grad_norm), lr
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The model's weights (what the engine loads at a push)."""
+        """The model's weights (what the engine loads at a push); with LoRA the merged ones, under the base
+        model's names and shapes."""
+        if self.lora is not None:
+            return self.lora.merged_state()
         return self.model.state_dict()
 
     def save_model(self, directory: Path) -> None:
-        """The model in Hugging Face format (safetensors)."""
+        """The model in Hugging Face format (safetensors); with LoRA the merged model, and the adapter alone
+        (peft format) in `directory/adapter`."""
+        if self.lora is not None:
+            self.lora.save(directory)
+            return
         self.model.save_pretrained(directory, safe_serialization=True)
 
     def close(self) -> None:
@@ -222,9 +235,17 @@ class Trainer:
         masters = self.masters.state_dict()
         if masters:  # a bf16 model: the fp32 weights the next step continues from, not the rounded ones
             state["master_weights"] = masters
+        if self.lora is not None:  # the saved model is merged: the adapter and its frozen base come from here
+            state["lora"] = self.lora.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if ("lora" in state) != (self.lora is not None):
+            saved, own = ("LoRA", "full fine-tuning") if "lora" in state else ("full fine-tuning", "LoRA")
+            raise ValueError(f"trainer.lora: the checkpoint was written by {saved} but this run does {own}; "
+                             "resume with the checkpoint's trainer.lora setting")
+        if self.lora is not None:
+            self.lora.load_state_dict(state["lora"])
         if "master_weights" in state:  # else (fp32, or saved before masters were) they stay the model's weights
             self.masters.load_state_dict(state["master_weights"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -1,8 +1,10 @@
 r"""Math answer checking, pure: find the final answer in a completion, compare it with the truth.
 
 extract_answer reads only what follows the last `</think>` (the think is scratch work) and gives up
-on a think that never closes. In that text it takes, in order: the last \boxed{...}, the phrase
-"the answer is X" / "answer: X", the text itself when it is a bare answer, else the last number.
+on a think that never closes. In that text it takes, in order: the last \boxed{...}, the later of the
+phrase "the answer is X" / "answer: X" and a GSM8K-style line "#### X" (X a bare answer with a digit, so
+that a markdown heading "#### Step 1: add" is not one), the text itself when it is a bare answer, else the
+last number. Markdown bold around or inside the marked answer ("**Answer:** 42") is ignored.
 answers_equal compares normalized strings, then numbers (ints, decimals, fractions, percents,
 thousands commas; exact rational arithmetic), then expressions with sympy (verifiers/symbolic.py).
 Nothing here runs user code or bounds time: verifiers/pool.py runs these calls under a timeout.
@@ -19,6 +21,8 @@ from flashreinforce.verifiers.symbolic import symbolic_equal
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"answer\s*(?:is\s*:?|:)\s*", re.IGNORECASE)
+_HASHES = re.compile(r"^[ \t]*####[ \t]*([^\n]*)$", re.MULTILINE)  # GSM8K's final line: "#### 72"
+_BOLD = re.compile(r"\*\*")
 # A number: a minus sign unless it is a subtraction (3-5), thousands commas, decimals, a /denominator
 # and a percent sign. "1,2,3" is three numbers; "1,234" is one.
 _NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:/\d+)?%?")
@@ -50,10 +54,9 @@ def extract_answer(text: str) -> str | None:
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip() or None
-    said = list(_ANSWER_IS.finditer(text))
-    if said:
-        line = text[said[-1].end():].split("\n", 1)[0]
-        return _answer_in(re.split(r"\.(?:\s|$)", line, maxsplit=1)[0])
+    marked = _marked_answer(text)
+    if marked is not None:
+        return _answer_in(marked)
     if closed >= 0:
         return _answer_in(text)
     return _last_number(text)
@@ -109,6 +112,23 @@ def _normalize(text: str) -> str:
     text = _LATEX_TEXT.sub(r"\1", _LATEX_NOISE.sub("", text))
     text = re.sub(r"\\[dt]frac", r"\\frac", text)
     return "".join(text.split()).rstrip(".")
+
+
+def _marked_answer(text: str) -> str | None:
+    """The span after the last answer marker ("the answer is", "answer:", a "#### X" line) up to the end of
+    its sentence, without markdown bold; None when there is no marker."""
+    said = [match.end() for match in _ANSWER_IS.finditer(text)]
+    hashes = [match.start(1) for match in _HASHES.finditer(text) if _bare_number_line(match[1])]
+    if not said and not hashes:
+        return None
+    line = _BOLD.sub("", text[max(said + hashes):].split("\n", 1)[0])
+    return re.split(r"\.(?:\s|$)", line, maxsplit=1)[0]
+
+
+def _bare_number_line(line: str) -> bool:
+    """Whether a "####" line holds an answer ("72", "$1,000", "-3/4") rather than a heading ("Step 1: add")."""
+    line = _BOLD.sub("", line)
+    return any(c.isdigit() for c in line) and not any(word.lower() not in _MATH_WORDS for word in _WORD.findall(line))
 
 
 def _answer_in(span: str) -> str | None:
