@@ -10,6 +10,7 @@ import torch
 from flashreinforce.models import build_model
 from flashreinforce.models.moe import RouteRecorder
 from flashreinforce.rollout.engine import Engine, append_forced_tokens
+from flashreinforce.trainer.checkpoint import load_states, save_checkpoint
 from flashreinforce.types import SamplingParams
 
 
@@ -97,3 +98,29 @@ def test_prefix_routes_of_another_shape_are_refused():
     (partial,) = other.pause()
     with pytest.raises(ValueError, match="prefix.routes"):
         engine.submit("a", [3, 4], SamplingParams(max_new_tokens=20, seed=0), prefix=partial)
+
+
+def test_routes_of_a_checkpointed_partial_continue_after_a_restart(tmp_path):
+    """A partial written into a checkpoint (as a run's in-flight work is) comes back with its routes, and a
+    new engine continues it with routes equal to a full forward's."""
+    model = _moe(seed=2)
+    engine = Engine(copy.deepcopy(model), max_batch_size=2, max_context=90, eos_token_ids=1)
+    params = SamplingParams(max_new_tokens=50, seed=4)
+    engine.submit("a", [5, 6, 7], params)
+    for _ in range(8):
+        engine.step()
+    (partial,) = engine.pause()
+    checkpoint = save_checkpoint(tmp_path, 1, write_model=lambda path: model.save_pretrained(path),
+                                 trainer_state={}, controller_state={"inflight": [("a", partial)]}, meta={}, keep=1)
+    _, controller_state, _ = load_states(checkpoint)
+    (_, restored), = controller_state["inflight"]
+    assert restored.routes == partial.routes and restored.routes is not None
+    fresh = Engine(copy.deepcopy(model), max_batch_size=2, max_context=90, eos_token_ids=1)
+    fresh.submit("a", [5, 6, 7], params, prefix=restored)
+    done = {}
+    while fresh.has_work:
+        done.update({g.request_id: g for g in fresh.step()})
+    generation = done["a"]
+    ids = [*generation.prompt_ids, *generation.token_ids]
+    assert len(generation.token_ids) > len(partial.token_ids)
+    assert np.array_equal(_routes(generation)[:-1], _full_forward_routes(model, ids)[:-1])
