@@ -202,3 +202,58 @@ def test_a_checkpoint_after_one_sgd_step_loads_back_and_generates(policy, tmp_pa
         out = again.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
     assert out.shape[1] > prompt.shape[1]
     assert again.tokenizer.decode(out[0, prompt.shape[1]:]).strip()
+
+
+@pytest.mark.parametrize("role", ["user", "tool"])
+def test_multi_turn_rows_equal_the_template_of_the_whole_conversation(policy, role):
+    """An episode's row (prompt, sampled turn, forced observation) is token for token what SmolLM2's chat
+    template renders for the whole conversation, so multi-turn episodes run on it unchanged."""
+    from flashreinforce.envs.turns import TurnRenderer
+    from flashreinforce.types import Prompt
+
+    tokenizer = policy.tokenizer
+    renderer = TurnRenderer(tokenizer, role=role)  # refuses a template it cannot append to
+    prompt_ids, conversation = renderer.first_prompt(Prompt("p", [{"role": "user", "content": "Go north."}], ""),
+                                                     "You see a door.")
+    sampled = [*tokenizer.encode("I open the door.", add_special_tokens=False), IM_END]
+    forced, after = renderer.observation_ids(conversation, sampled, "The door is locked.")
+    whole = tokenizer.apply_chat_template(list(after), add_generation_prompt=True, tokenize=False)
+    assert [*prompt_ids, *sampled, *forced] == tokenizer(whole, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("mode", ["separate", "unified"])
+def test_a_bf16_trainer_steps_on_the_real_model_and_unified_agrees_with_its_engine(policy, mode):
+    """bf16 on both sides (fp32 masters): one optimizer step on engine rollouts; in unified mode the engine's
+    behavior log-probs equal the trainer's recompute to float rounding."""
+    from flashreinforce.envs.single_turn import to_trajectory
+    from flashreinforce.models.numerics import Numerics
+    from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
+    from flashreinforce.types import Prompt, RolloutKey, Verdict
+
+    torch.set_num_threads(1)
+    numerics = Numerics("bf16", unified=mode == "unified")
+    tokenizer = policy.tokenizer
+    trainer = Trainer(copy.deepcopy(policy.model), loss="flashreinforce", loss_options={},
+                      optimizer=OptimizerSettings(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0,
+                                                  total_steps=2, min_lr_ratio=1.0, grad_clip=1.0),
+                      microbatch_size=2, pad_token_id=tokenizer.pad_token_id, temperature=1.0, max_new_tokens=16,
+                      numerics=numerics)
+    engine = Engine(copy.deepcopy(policy.model), max_batch_size=4, max_context=128, eos_token_ids=IM_END,
+                    pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, numerics=numerics)
+    engine.load_weights(trainer.weights(), version=0)
+    for i, messages in enumerate(CONVERSATIONS[:4]):
+        engine.submit(str(i), chat_ids(tokenizer, messages), SamplingParams(max_new_tokens=16, seed=i))
+    finished = []
+    while engine.has_work:
+        finished += engine.step()
+    rows = [to_trajectory(RolloutKey(g.request_id, 0), Prompt(g.request_id, "x", "y"), i, g,
+                          Verdict(float(i % 2), bool(i % 2))) for i, g in enumerate(finished)]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    metrics = trainer.step(rows)
+    assert next(trainer.model.parameters()).dtype == (torch.float32 if mode == "unified" else torch.bfloat16)
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert torch.isfinite(torch.tensor(metrics["loss/policy"]))
+    if mode == "unified":
+        assert metrics["mismatch/same_weights_abs_max"] < 1e-4
+    else:
+        assert metrics["mismatch/same_weights_abs_max"] > 1e-4  # bf16 kernels on each side: visibly apart
