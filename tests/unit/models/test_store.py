@@ -174,8 +174,10 @@ def test_a_missing_wheel_path_says_how_to_get_one(offline_store, tmp_path):
 
 def test_missing_conversion_packages_name_the_extra(tmp_path, monkeypatch):
     real_find_spec = store.importlib.util.find_spec
-    monkeypatch.setattr(store.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    # gguf missing, accelerate present, whatever this environment has installed
+    present = object()
+    monkeypatch.setattr(store.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else
+                        present if name == "accelerate" else real_find_spec(name, *a))
     with pytest.raises(store.ModelStoreError, match=r"needs gguf, which is not installed: "
                                                     r"pip install 'flashreinforce\[models\]'"):
         store.get(NAME, tmp_path)
