@@ -74,7 +74,7 @@ from flashreinforce.envs.pool import EnvPool
 from flashreinforce.metrics.console import Reporter
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.run.backends import (
-    build_backend,
+    build_local_backend,
     build_env_pool,
     build_episode_backend,
     build_episodes,
@@ -297,7 +297,7 @@ async def run_kind(kind: str, config: RunConfig, data: Data, warm_dir: Path) -> 
     scheduler = build_run_scheduler(config, data.train, kind=kind)
     pool = build_verifier_pool(config)
     pool.score_sync("", data.train[0])  # the worker's start-up (imports) is not the scheduler's cost
-    backend = build_backend(config, engine, trainer, pool, policy.tokenizer)
+    backend = build_local_backend(config, engine, trainer, pool, policy.tokenizer)
     env_pool = build_env_pool(config)  # None for the single-turn arithmetic workload
     if env_pool is not None:
         backend = build_episode_backend(config, backend, episodes, env_pool, shape.context)

@@ -231,9 +231,25 @@ class SFTConfig(_Section):
     """text_game: probability that a warm-start trace's turn is a wrong action instead of the expert's."""
 
 
+class VllmConfig(_Section):
+    probe_tolerance: float | None = Field(None, gt=0)
+    """After each weight push vLLM's log-probs of a probe row must match flashreinforce's own forward of the
+    pushed weights to within this, else the run stops (the push did not take). None: 1e-4 for fp32 rollout
+    weights, 5e-2 for bf16 (measured kernel noise: rollout/vllm_engine.py)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """GPU: the share of GPU memory vLLM takes for weights and KV cache (the trainer needs the rest). On CPU the
+    KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead (1 unless set)."""
+    weight_transfer: Literal["in_process", "nccl", "ipc"] = "in_process"
+    """in_process: pushes load into the engine's model in this process (CPU or one GPU), each checked by the
+    probe. nccl, ipc: vLLM's native weight-transfer API for engines in other processes; not implemented yet."""
+
+
 class RolloutConfig(_Section):
     engine: Literal["local", "vllm"] = "local"
-    """local: the embedded engine (CPU or GPU). vllm: the vLLM adapter (GPU, optional extra)."""
+    """local: the embedded engine (CPU or GPU). vllm: the vLLM adapter (the vllm extra on GPU; vllm-cpu on CPU,
+    docs/vllm.md)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the engine computes: auto is cuda when a GPU is visible, else cpu."""
     max_batch_size: int = Field(128, ge=1)
     """Engine slots: requests decoded together (continuous batching)."""
     max_new_tokens: int = Field(64, ge=1)
@@ -250,6 +266,8 @@ class RolloutConfig(_Section):
     importance ratio corrects the rest. False: every push pauses all requests and re-reads their prefixes
     under the new weights (slower: every in-flight prefix is recomputed each step). Checkpoint and
     evaluation steps always pause; april always aborts at a push (that is its method)."""
+    vllm: VllmConfig = VllmConfig()
+    """Options of rollout.engine=vllm (docs/vllm.md)."""
 
 
 class SchedulerConfig(_Section):
@@ -362,6 +380,12 @@ class LoraConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer computes: auto is cuda when a GPU is visible, else cpu."""
+    world_size: int = Field(1, ge=1)
+    """Data-parallel ranks (torch.distributed: gloo on CPU, NCCL on GPU). Every rank gets the whole learner
+    batch, normalizes it globally, trains its share of the rows and all-reduces the gradients, so the step
+    equals the one-rank step (DESIGN invariant 4)."""
     steps: int = Field(120, ge=0)
     """Optimizer steps of RL (one per learner batch)."""
     lr: float = Field(3e-4, gt=0)
@@ -427,7 +451,18 @@ class VerifierConfig(_Section):
 
 class BackendConfig(_Section):
     kind: Literal["local", "ray"] = "local"
-    """local: one process (asyncio + a generation thread). ray: actors on a Ray cluster."""
+    """local: one process (asyncio + a generation thread). ray: actors on a Ray cluster (the ray extra)."""
+    address: str | None = None
+    """ray: None starts a local Ray on this machine; "auto" joins the running cluster (`ray start --head` on
+    one machine, `ray start --address=<head>:6379` on the others); or a cluster address."""
+    num_engines: int = Field(1, ge=1)
+    """ray: rollout engine actors; requests go to the least loaded one."""
+    health_timeout_s: float = Field(60.0, gt=0)
+    """ray: an actor that does not answer a health check or a call within this long is treated as dead
+    (restarted, its requests re-queued), never waited on forever."""
+    step_timeout_s: float = Field(3600.0, gt=0)
+    """ray: the longest a trainer call (an optimizer step, a checkpoint's trainer state) may take before its rank
+    is treated as hung: the run stops with an error, and `flashreinforce train --resume <run_dir>` continues it."""
     torch_threads: int = Field(1, ge=1)
     """Intra-op torch threads. In the overlapped loop the engine thread and the trainer each run kernels
     with this many, so one each fills a 2-core machine; more oversubscribes the cores, which costs little on

@@ -116,3 +116,17 @@ def build_chat_tokenizer():
 @pytest.fixture(scope="session")
 def chat_tokenizer():
     return build_chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A Ray of the test module's own on this machine (loopback, usage stats off); a start costs seconds."""
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()

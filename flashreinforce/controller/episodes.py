@@ -310,11 +310,15 @@ class EpisodeBackend:
             self._take_step(rid)
 
     def _collect(self, wait: asyncio.Task) -> None:
-        """Take the turns a finished engine wait returned (once; its error surfaces in finished())."""
+        """Take the turns a finished engine wait returned (once). It runs as a done-callback too, where a raise
+        would be logged and lost: an engine failure is kept for finished() to raise, which stops the run."""
         if wait is not self._engine_wait or not wait.done() or wait.cancelled():
             return
         self._engine_wait = None
-        self._on_turns(wait.result())
+        try:
+            self._on_turns(wait.result())
+        except Exception as error:  # noqa: BLE001 - handed to the loop, which stops the run with it
+            self._failure = error
         self._wake.set()
 
     async def _stop_engine_wait(self) -> None:

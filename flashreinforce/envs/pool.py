@@ -4,12 +4,17 @@ An asyncio or thread timeout cannot stop a CPU-bound step (verl #288), so enviro
 processes (envs/worker.py). Each episode is a session pinned to one worker; a call that overruns
 `step_timeout_s` kills that worker's process group, ends its episode ("env_timeout") and leaves the worker's
 other sessions to be rebuilt, on their next call, by replaying their recorded actions from the seeded reset
-on a live worker: environments are deterministic in (prompt, seed, actions). A worker that dies (a segfault,
-os._exit) ends the episode whose call it was running ("env_crash: ...") the same way. Nothing here blocks
-the event loop: calls wait on the worker's socket with add_reader.
+on a live worker: environments are deterministic in (prompt, seed, actions). A worker found dead by a call (killed,
+out of memory, a segfault, its machine lost) is replaced the same way and the call runs once more on another
+worker, by replay, so an episode outlives the loss of its worker; a call that kills its worker again (os._exit in
+the step) ends its episode ("env_crash: ..."). Nothing here blocks the event loop: calls wait on the worker's
+socket with add_reader.
 
 Elastic: a new session goes to the least-loaded idle worker; when every worker is busy one more starts (up to
 max_workers), and a worker with no sessions retires after idle_timeout_s (down to min_workers).
+
+A worker is reached through a WorkerLink: a process of this machine here (ProcessWorker), a Ray actor under
+backend.kind=ray (controller/ray_envs.py). Sessions, deadlines, replay and growth are the pool's, the same for both.
 """
 
 from __future__ import annotations
@@ -18,12 +23,12 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from typing import Any, Protocol
 
 from flashreinforce.envs.protocol import EnvSpec, Observation, StepResult
 from flashreinforce.lifetime import describe_exit, start_child
@@ -42,10 +47,77 @@ class EnvOutcome:
     seconds: float = 0.0
 
 
+class WorkerLost(Exception):
+    """A worker overran a call's deadline or died (and is stopped): `failure` is how its episode ends."""
+
+    def __init__(self, failure: str) -> None:
+        super().__init__(failure)
+        self.failure = failure
+        """env_timeout | env_crash: <how it died>"""
+
+
+class WorkerLink(Protocol):
+    """One worker serving envs/worker.py's protocol. Answers are (kind, value) tuples; a call that overruns
+    `timeout` or finds the worker dead stops it and raises WorkerLost."""
+
+    async def start(self, spec: EnvSpec, timeout: float) -> tuple[str, Any]: ...
+
+    async def call(self, message: tuple, timeout: float) -> tuple[str, Any]: ...
+
+    def send(self, message: tuple) -> None:
+        """A message without an answer ("close")."""
+
+    def stop(self) -> None:
+        """Kill the worker (idempotent): a step that never returns ends with it."""
+
+
+class ProcessWorker:
+    """An environment worker process of this machine (envs/worker.py), in a process group of its own."""
+
+    def __init__(self) -> None:
+        # One thread per math library, its own process group (killed as one).
+        self.proc, self.conn = start_child("flashreinforce.envs.worker", new_session=True,
+                                           env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                                                "OPENBLAS_NUM_THREADS": "1"})
+
+    async def start(self, spec: EnvSpec, timeout: float) -> tuple[str, Any]:
+        return await self.call((list(sys.path), spec), timeout)
+
+    async def call(self, message: tuple, timeout: float) -> tuple[str, Any]:
+        # Waits on the socket with add_reader: nothing blocks the event loop.
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        fd = self.conn.fileno()
+        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        try:
+            self.conn.send(message)
+            await asyncio.wait_for(readable, timeout)
+            return self.conn.recv()
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            self.stop()
+            raise WorkerLost("env_timeout") from None
+        except (EOFError, OSError):
+            self.stop()
+            raise WorkerLost(f"env_crash: {describe_exit(self.proc.returncode)}") from None
+        finally:
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(fd)
+
+    def send(self, message: tuple) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(message)
+
+    def stop(self) -> None:
+        if self.proc.returncode is None:  # once: after the wait its pid (the group's id) may be another's
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the group: what the environment started dies too
+            self.proc.wait()
+        self.conn.close()
+
+
 @dataclass(eq=False)
 class _Worker:
-    proc: subprocess.Popen
-    conn: Connection
+    link: WorkerLink
     busy: bool = False
     sessions: set[str] = field(default_factory=set)
     idle_since: float = field(default_factory=time.monotonic)
@@ -62,10 +134,11 @@ class _Session:
 
 class EnvPool:
     def __init__(self, spec: EnvSpec, *, step_timeout_s: float = 30.0, min_workers: int = 1, max_workers: int = 4,
-                 idle_timeout_s: float = 30.0) -> None:
+                 idle_timeout_s: float = 30.0, start_worker: Callable[[], WorkerLink] = ProcessWorker) -> None:
+        """start_worker: a new worker's link (ProcessWorker: a process of this machine)."""
         if not 1 <= min_workers <= max_workers:
             raise ValueError(f"env workers: need 1 <= min_workers ({min_workers}) <= max_workers ({max_workers})")
-        self.spec, self.step_timeout_s = spec, step_timeout_s
+        self.spec, self.step_timeout_s, self.start_worker = spec, step_timeout_s, start_worker
         self.min_workers, self.max_workers, self.idle_timeout_s = min_workers, max_workers, idle_timeout_s
         self._workers: list[_Worker] = []
         self._sessions: dict[str, _Session] = {}
@@ -102,8 +175,7 @@ class EnvPool:
         session = self._sessions.pop(sid, None)
         if session is not None and session.worker is not None and session.worker in self._workers:
             session.worker.sessions.discard(sid)
-            with contextlib.suppress(OSError):
-                session.worker.conn.send(("close", sid))
+            session.worker.link.send(("close", sid))
 
     def stats(self) -> dict[str, float]:
         return {"workers": float(len(self._workers)), "sessions": float(len(self._sessions)),
@@ -121,6 +193,16 @@ class EnvPool:
         session = self._sessions.get(sid)
         if session is None:
             raise KeyError(f"no environment session {sid!r}: reset or attach it first")
+        outcome, seconds = await self._attempt(sid, session, action)
+        if outcome.failure is not None and outcome.failure.startswith("env_crash"):
+            # The worker died during this call or before it (killed, out of memory, its machine lost): once more on
+            # another worker, by replay. A call that kills its worker itself does so again and ends its episode.
+            self.counts["crash_retries"] += 1
+            outcome, more = await self._attempt(sid, session, action)
+            seconds += more
+        return self._finish(sid, outcome, seconds)
+
+    async def _attempt(self, sid: str, session: _Session, action: str | None) -> tuple[EnvOutcome, float]:
         worker = await self._acquire(session)
         started = time.monotonic()
         try:
@@ -133,16 +215,15 @@ class EnvPool:
                     worker.sessions.add(sid)
                     self.counts["replays"] += bool(session.actions)
                 if action is None or outcome.failure is not None:
-                    return self._finish(sid, outcome, started)
+                    return outcome, time.monotonic() - started
             outcome = await self._exchange(worker, ("step", sid, action), self.step_timeout_s)
-            return self._finish(sid, outcome, started)
+            return outcome, time.monotonic() - started
         finally:
             worker.busy, worker.idle_since = False, time.monotonic()
             async with self._free:
                 self._free.notify_all()
 
-    def _finish(self, sid: str, outcome: EnvOutcome, started: float) -> EnvOutcome:
-        seconds = time.monotonic() - started
+    def _finish(self, sid: str, outcome: EnvOutcome, seconds: float) -> EnvOutcome:
         self.busy_seconds += seconds
         self.counts["calls"] += 1
         if outcome.failure is not None:
@@ -151,29 +232,17 @@ class EnvPool:
         return EnvOutcome(outcome.value, outcome.failure, seconds)
 
     async def _exchange(self, worker: _Worker, message: tuple, timeout: float) -> EnvOutcome:
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        fd = worker.conn.fileno()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
         try:
-            worker.conn.send(message)
-            await asyncio.wait_for(readable, timeout)
-            kind, value = worker.conn.recv()
-        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            kind, value = await worker.link.call(message, timeout)
+        except WorkerLost as lost:
             self._lose(worker)
-            return EnvOutcome(failure="env_timeout")
-        except (EOFError, OSError):
-            self._lose(worker)
-            return EnvOutcome(failure=f"env_crash: {describe_exit(worker.proc.returncode)}")
+            return EnvOutcome(failure=lost.failure)
         except asyncio.CancelledError:
             # the worker goes on with the call, and its answer would be read as the next call's: end it (its
             # sessions replay elsewhere)
             self._lose(worker)
             raise
-        finally:
-            with contextlib.suppress(ValueError, OSError):
-                loop.remove_reader(fd)
-        return EnvOutcome(value) if kind in ("ok", "ready") else EnvOutcome(failure=f"env_error: {value}")
+        return EnvOutcome(value) if kind == "ok" else EnvOutcome(failure=f"env_error: {value}")
 
     async def _acquire(self, session: _Session) -> _Worker:
         """The session's own worker when it is open there, else the least-loaded idle one (starting one more
@@ -196,13 +265,16 @@ class EnvPool:
     # ---- workers ------------------------------------------------------------------------------------------
 
     async def _spawn(self) -> _Worker:
-        proc, conn = start_child("flashreinforce.envs.worker", new_session=True,
-                                 env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
-        worker = _Worker(proc, conn)
-        outcome = await self._exchange(worker, (list(sys.path), self.spec), _STARTUP_TIMEOUT_S)
-        if outcome.failure is not None:
-            self._stop(worker)
-            reason = outcome.failure.removeprefix("env_error: ")
+        worker = _Worker(self.start_worker())
+        try:
+            kind, reason = await worker.link.start(self.spec, _STARTUP_TIMEOUT_S)
+        except WorkerLost as lost:
+            kind, reason = "lost", f"{lost.failure} during its start (allowed {_STARTUP_TIMEOUT_S:.0f} s)"
+        except BaseException:
+            worker.link.stop()
+            raise
+        if kind != "ready":
+            worker.link.stop()
             raise RuntimeError(f"env.kind={self.spec.kind!r}: the environment worker could not start: {reason}")
         self._workers.append(worker)
         self.counts["workers_started"] += 1
@@ -226,7 +298,4 @@ class EnvPool:
     def _stop(self, worker: _Worker) -> None:
         if worker in self._workers:
             self._workers.remove(worker)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(worker.proc.pid, signal.SIGKILL)
-        worker.proc.wait()
-        worker.conn.close()
+        worker.link.stop()

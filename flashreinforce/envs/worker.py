@@ -1,7 +1,9 @@
-"""One environment worker process: `python -m flashreinforce.envs.worker <fd> <pool pid>`, started by pool.py.
+"""One environment worker: the sessions of one EnvSpec, and the process that serves them to pool.py.
 
-A fresh interpreter (not a fork of the trainer, with its threads and memory) that builds environments of one
-EnvSpec and holds many of them at once, one per episode ("session"). Protocol over the socket (pickled):
+`python -m flashreinforce.envs.worker <fd> <pool pid>` is a fresh interpreter (not a fork of the trainer, with its
+threads and memory) that builds environments of one EnvSpec and holds many of them at once, one per episode
+("session"). The Ray backend serves the same EnvSessions from an actor instead (controller/ray_envs.py).
+Protocol (pickled over the socket; the same tuples as an actor's arguments and answers):
   pool -> worker: (sys_path, spec) once; then
                   ("open", sid, prompt, seed, actions): reset, replay `actions`  -> ("ok", reset observation)
                   ("step", sid, action)                                          -> ("ok", StepResult)
@@ -21,56 +23,75 @@ from flashreinforce.envs.protocol import Env, EnvSpec, as_step_result, build_env
 from flashreinforce.lifetime import describe_error, die_with_parent
 
 
-def main(fd: int, pool_pid: int) -> None:
-    die_with_parent(pool_pid)
-    conn = Connection(fd)
-    sys_path, spec = conn.recv()
-    sys.path[:] = sys_path
+def check_env(spec: EnvSpec) -> tuple[str, str | None]:
+    """("ready", None) when an environment of `spec` builds, else ("load_error", why): a worker fails at its
+    start, with the reason, not at the first episode."""
     try:
-        build_env(spec).close()  # fail at start, with the reason, not at the first episode
+        build_env(spec).close()
     except Exception as error:  # noqa: BLE001 - any failure of user code is reported, not raised
-        conn.send(("load_error", describe_error(error)))
-        return
-    conn.send(("ready", None))
-    envs: dict[str, Env] = {}
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:  # the pool is gone
-            return
+        return "load_error", describe_error(error)
+    return "ready", None
+
+
+class EnvSessions:
+    """The open environments of one worker, by session id; answers the protocol's messages."""
+
+    def __init__(self, spec: EnvSpec) -> None:
+        self.spec = spec
+        self.envs: dict[str, Env] = {}
+
+    def handle(self, message: tuple) -> tuple[str, object] | None:
+        """The answer to one message (None for "close", which has none)."""
         kind, sid = message[0], message[1]
         if kind == "close":
-            _close(envs.pop(sid, None))
-            continue
+            _close(self.envs.pop(sid, None))
+            return None
         try:
-            reply = ("ok", _open(envs, spec, *message[1:]) if kind == "open" else _step(envs, spec, sid, message[2]))
+            return "ok", self._open(*message[1:]) if kind == "open" else self._step(sid, message[2])
         except Exception as error:  # noqa: BLE001 - an environment's error ends its episode, not the worker
-            _close(envs.pop(sid, None))
-            reply = ("error", describe_error(error))
-        conn.send(reply)
+            _close(self.envs.pop(sid, None))
+            return "error", describe_error(error)
 
+    def _open(self, sid: str, prompt, seed: int, actions) -> object:
+        _close(self.envs.pop(sid, None))
+        env = build_env(self.spec)
+        self.envs[sid] = env
+        observation = env.reset(prompt, seed)
+        for action in actions:  # deterministic: the same observations the episode saw before
+            as_step_result(env.step(action), self.spec.kind)
+        return observation
 
-def _open(envs: dict[str, Env], spec: EnvSpec, sid: str, prompt, seed: int, actions) -> object:
-    _close(envs.pop(sid, None))
-    env = build_env(spec)
-    envs[sid] = env
-    observation = env.reset(prompt, seed)
-    for action in actions:  # deterministic: the same observations the episode saw before
-        as_step_result(env.step(action), spec.kind)
-    return observation
-
-
-def _step(envs: dict[str, Env], spec: EnvSpec, sid: str, action: str) -> object:
-    env = envs.get(sid)
-    if env is None:
-        raise RuntimeError(f"session {sid} is not open in this worker")
-    return as_step_result(env.step(action), spec.kind)
+    def _step(self, sid: str, action: str) -> object:
+        env = self.envs.get(sid)
+        if env is None:
+            raise RuntimeError(f"session {sid} is not open in this worker")
+        return as_step_result(env.step(action), self.spec.kind)
 
 
 def _close(env: Env | None) -> None:
     if env is not None:
         with contextlib.suppress(Exception):
             env.close()
+
+
+def main(fd: int, pool_pid: int) -> None:
+    die_with_parent(pool_pid)
+    conn = Connection(fd)
+    sys_path, spec = conn.recv()
+    sys.path[:] = sys_path
+    verdict = check_env(spec)
+    conn.send(verdict)
+    if verdict[0] != "ready":
+        return
+    sessions = EnvSessions(spec)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the pool is gone
+            return
+        reply = sessions.handle(message)
+        if reply is not None:
+            conn.send(reply)
 
 
 if __name__ == "__main__":

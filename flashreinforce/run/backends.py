@@ -1,27 +1,53 @@
 """Backends by `backend.kind`, the CPU pool they score with, and the episodes they run (env.kind).
 
-A backend builder takes the config and the run's parts (engine, trainer, pool, tokenizer) and returns a
-Backend (controller/backend.py). Adding a backend is adding a builder below; an environment is a class named
-in envs.protocol.ENV_KINDS (or a user's file), built in the env pool's workers.
+A backend opener takes the config, the starting policy and the engines' shape, builds the engine, trainer and
+verifier pool where that backend keeps them (here for local, in Ray actors for ray) and returns them as an
+OpenedBackend; the AsyncExitStack it is given closes what it opened. Adding a backend is adding an opener
+below; an environment is a class named in envs.protocol.ENV_KINDS (or a user's file), built in the env pool's
+workers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from flashreinforce.config import RunConfig
 from flashreinforce.controller.backend import Backend
 from flashreinforce.controller.episodes import EpisodeBackend, EpisodeSettings
 from flashreinforce.controller.local import LocalBackend
-from flashreinforce.envs.pool import EnvPool
+from flashreinforce.envs.pool import EnvPool, ProcessWorker, WorkerLink
 from flashreinforce.envs.protocol import EnvSpec, resolve_env_class
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.rollout.engine import Engine
-from flashreinforce.run.engines import ENGINES
+from flashreinforce.rollout.vllm_engine import SETUP_HINT
+from flashreinforce.run.engines import ENGINES, EngineShape, build_engine
+from flashreinforce.run.learner import build_rank_trainer, build_trainer, start_trainer
+from flashreinforce.run.policy import Policy
 from flashreinforce.run.tables import pick_builder
 from flashreinforce.run.tasks import renderer_for
+from flashreinforce.trainer.distributed import RankGroup
+from flashreinforce.trainer.trainer import Trainer
 from flashreinforce.verifiers.pool import VerifierPool
+
+if TYPE_CHECKING:
+    from flashreinforce.controller.ray_cluster import RaySettings
+
+
+@dataclass(frozen=True)
+class OpenedBackend:
+    """A backend and the handles a run keeps beside it."""
+
+    backend: Backend
+    trainer: Any
+    """Its trainer, or a handle with the trainer's face: version, state_dict, load_state_dict, close."""
+    pool: Any
+    """Its verifier pool, or a handle whose stats() sums the pools (the summary reports them)."""
+    env_workers: Callable[[], WorkerLink] = ProcessWorker
+    """How a multi-turn run's EnvPool starts a worker where this backend keeps them (build_env_pool)."""
 
 
 def build_local_backend(config: RunConfig, engine: Engine, trainer: Any, pool: VerifierPool, tokenizer: Any) -> Backend:
@@ -29,12 +55,63 @@ def build_local_backend(config: RunConfig, engine: Engine, trainer: Any, pool: V
     return LocalBackend(engine, trainer, pool, tokenizer, overlap=not config.deterministic)
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {
-    "local": build_local_backend,
+def open_local_backend(config: RunConfig, policy: Policy, shape: EngineShape,
+                       stack: contextlib.AsyncExitStack) -> OpenedBackend:
+    """Everything in this process. The engine copies the model first: the trainer casts it in place."""
+    engine = build_engine(config, policy, shape)
+    pool = stack.enter_context(build_verifier_pool(config))
+    trainer = start_trainer(config, policy)
+    stack.callback(trainer.close)
+    return OpenedBackend(build_local_backend(config, engine, trainer, pool, policy.tokenizer), trainer, pool)
+
+
+def open_ray_backend(config: RunConfig, policy: Policy, shape: EngineShape,
+                     stack: contextlib.AsyncExitStack) -> OpenedBackend:
+    """Engines, trainer ranks, verifier pools and environment workers in Ray actors (controller/ray_backend.py,
+    ray_envs.py), built there by the factories passed here; this process only keeps the books."""
+    from flashreinforce.controller import ray_backend, ray_envs  # the ray extra: imported only when chosen
+
+    settings = ray_settings(config)
+    stack.callback(ray_backend.start_ray(settings))
+    parts = ray_backend.RayParts(build_engine=build_engine, build_trainer=build_ray_trainer,
+                                 verifier_options=verifier_options(config, workers=1), config=config, policy=policy,
+                                 shape=shape)
+    backend = ray_backend.start_ray_backend(settings, parts)
+    stack.push_async_callback(backend.close)
+    return OpenedBackend(backend, backend.trainer, backend.verifiers, env_workers=ray_envs.RayEnvWorkers())
+
+
+def ray_settings(config: RunConfig) -> RaySettings:
+    """The Ray backend's flat settings. A GPU is asked of the cluster only for a side set to cuda explicitly."""
+    from flashreinforce.controller.ray_cluster import RaySettings
+
+    backend, trainer, verifier = config.backend, config.trainer, config.verifier
+    return RaySettings(address=backend.address, num_engines=backend.num_engines,
+                       engine_slots=config.rollout.max_batch_size, world_size=trainer.world_size,
+                       rank_backend="nccl" if trainer.device == "cuda" else "gloo",
+                       engine_gpus=float(config.rollout.device == "cuda"), trainer_gpus=float(trainer.device == "cuda"),
+                       verifier_workers=(verifier.min_workers, verifier.max_workers),
+                       env_workers=max(config.env.min_workers, config.env.max_workers) if config.env.multi_turn else 0,
+                       verifier_timeout_s=verifier.timeout_s, health_timeout_s=backend.health_timeout_s,
+                       step_timeout_s=backend.step_timeout_s, torch_threads=backend.torch_threads)
+
+
+def build_ray_trainer(config: RunConfig, policy: Policy, group: RankGroup | None) -> Trainer:
+    """A Ray trainer actor's Trainer: the whole trainer when it is the only rank, else its data-parallel rank."""
+    if group is None:
+        return build_trainer(config, policy.model, policy.tokenizer)
+    return build_rank_trainer(config, policy.model, policy.tokenizer, group)
+
+
+BACKENDS: dict[str, Callable[[RunConfig, Policy, EngineShape, contextlib.AsyncExitStack], OpenedBackend]] = {
+    "local": open_local_backend,
+    "ray": open_ray_backend,
 }
 
-def build_backend(config: RunConfig, engine: Engine, trainer: Any, pool: VerifierPool, tokenizer: Any) -> Backend:
-    return pick_builder(BACKENDS, "backend.kind", config.backend.kind)(config, engine, trainer, pool, tokenizer)
+
+def open_backend(config: RunConfig, policy: Policy, shape: EngineShape,
+                 stack: contextlib.AsyncExitStack) -> OpenedBackend:
+    return pick_builder(BACKENDS, "backend.kind", config.backend.kind)(config, policy, shape, stack)
 
 
 def build_episodes(config: RunConfig, tokenizer: Any) -> TextEpisodes:
@@ -47,13 +124,14 @@ def env_spec(config: RunConfig) -> EnvSpec:
     return EnvSpec(kind=config.env.kind, options=dict(config.env.options))
 
 
-def build_env_pool(config: RunConfig) -> EnvPool | None:
-    """Worker processes for a multi-turn run's environments (None for single-turn); started by the caller."""
+def build_env_pool(config: RunConfig, start_worker: Callable[[], WorkerLink] = ProcessWorker) -> EnvPool | None:
+    """The workers of a multi-turn run's environments (None for single-turn); started by the caller.
+    start_worker: an OpenedBackend's env_workers (processes here, or Ray actors)."""
     if not config.env.multi_turn:
         return None
     env = config.env
     return EnvPool(env_spec(config), step_timeout_s=env.step_timeout_s, min_workers=env.min_workers,
-                   max_workers=max(env.min_workers, env.max_workers))
+                   max_workers=max(env.min_workers, env.max_workers), start_worker=start_worker)
 
 
 def build_episode_backend(config: RunConfig, backend: Backend, episodes: TextEpisodes, env_pool: EnvPool | None,
@@ -67,18 +145,37 @@ def build_episode_backend(config: RunConfig, backend: Backend, episodes: TextEpi
 
 
 def build_verifier_pool(config: RunConfig) -> VerifierPool:
+    return VerifierPool(**verifier_options(config))
+
+
+def verifier_options(config: RunConfig, *, workers: int | None = None) -> dict[str, Any]:
+    """VerifierPool's arguments from verifier.*; `workers` fixes its size (a Ray verifier actor's pool)."""
     verifier = config.verifier
-    return VerifierPool([verifier.reward_fn], timeout_s=verifier.timeout_s, min_workers=verifier.min_workers,
-                        max_workers=verifier.max_workers, memory_limit_mb=verifier.memory_limit_mb)
+    low, high = (verifier.min_workers, verifier.max_workers) if workers is None else (workers, workers)
+    return {"reward_fns": [verifier.reward_fn], "timeout_s": verifier.timeout_s, "min_workers": low,
+            "max_workers": high, "memory_limit_mb": verifier.memory_limit_mb}
 
 
 def check_buildable(config: RunConfig) -> None:
     """Fail before any work when the config names a part this build has no builder for, saying so."""
     pick_builder(ENGINES, "rollout.engine", config.rollout.engine)
     pick_builder(BACKENDS, "backend.kind", config.backend.kind)
+    if config.backend.kind == "ray":
+        check_ray(config)
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # before the model loads
+        raise ValueError(f"rollout.engine=vllm needs vLLM, which this Python cannot import: {SETUP_HINT}")
     if config.env.multi_turn:
         resolve_env_class(env_spec(config))  # an unknown kind, a missing extra or a bad user file fails now
     if config.trainer.lora is not None:
         from flashreinforce.trainer.lora import require_peft
 
         require_peft()  # before data, the warm start and the model load
+
+
+def check_ray(config: RunConfig) -> None:
+    """backend.kind=ray needs the ray extra and the overlapped loop."""
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("backend.kind=ray needs the ray extra: pip install -e '.[ray]' (or set backend.kind=local)")
+    if config.deterministic:
+        raise ValueError("backend.kind=ray runs the overlapped loop only; deterministic=true (lockstep, bitwise "
+                         "reproducible) needs backend.kind=local")

@@ -1,9 +1,13 @@
-"""The run's trainer, from trainer.* and algo.*: inline, or in a process of its own (backend.trainer_process)."""
+"""The run's trainer, from trainer.* and algo.*: inline, in a process of its own (backend.trainer_process), or
+as trainer.world_size data-parallel ranks in processes of their own (trainer/group.py)."""
 
 from __future__ import annotations
 
 from flashreinforce.config import RunConfig
+from flashreinforce.run.devices import resolve_device
 from flashreinforce.run.policy import Policy, side_numerics
+from flashreinforce.trainer.distributed import RankGroup, join_group
+from flashreinforce.trainer.group import TrainerGroup
 from flashreinforce.trainer.lora import LoraSettings
 from flashreinforce.trainer.process import TrainerProcess
 from flashreinforce.trainer.trainer import (
@@ -14,7 +18,7 @@ from flashreinforce.trainer.trainer import (
 )
 
 
-def build_trainer(config: RunConfig, model, tokenizer) -> Trainer:
+def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer:
     """A Trainer of `model` (model and tokenizer, not a Policy: TrainerProcess calls this in its child)."""
     algo, trainer = config.algo, config.trainer
     return Trainer(
@@ -35,7 +39,20 @@ def build_trainer(config: RunConfig, model, tokenizer) -> Trainer:
         numerics=side_numerics(config, "trainer"),
         router_replay=trainer.router_replay,
         lora=lora_settings(config),
+        device=resolve_device("trainer.device", trainer.device, rank=rank),
     )
+
+
+def build_rank_trainer(config: RunConfig, model, tokenizer, group: RankGroup) -> Trainer:
+    """One data-parallel rank: join the group (blocks until every rank has), then build its Trainer. Every
+    rank starts from the same `model`, so the ranks' weights are equal before the first step and after each."""
+    join_group(group)
+    return build_trainer(config, model, tokenizer, rank=group.rank)
+
+
+def rank_backend(config: RunConfig) -> str:
+    """gloo on CPU, NCCL when the trainer computes on GPUs."""
+    return "nccl" if resolve_device("trainer.device", config.trainer.device).type == "cuda" else "gloo"
 
 
 def lora_settings(config: RunConfig) -> LoraSettings | None:
@@ -48,9 +65,15 @@ def lora_settings(config: RunConfig) -> LoraSettings | None:
                         rslora=lora.rslora, seed=config.seed)
 
 
-def start_trainer(config: RunConfig, policy: Policy) -> Trainer | TrainerProcess:
-    """The run's trainer: in a process of its own when backend.trainer_process is set (overlapped loop only)."""
+def start_trainer(config: RunConfig, policy: Policy) -> Trainer | TrainerProcess | TrainerGroup:
+    """The run's trainer: data-parallel ranks in processes when trainer.world_size > 1; else in a process of its
+    own when backend.trainer_process is set (overlapped loop only); else inline."""
+    template, threads = policy.model.state_dict(), config.backend.torch_threads
+    if config.trainer.world_size > 1:
+        return TrainerGroup(build_rank_trainer, (config, policy.model, policy.tokenizer),
+                            world_size=config.trainer.world_size, backend=rank_backend(config), template=template,
+                            threads=threads)
     if config.deterministic or not config.backend.trainer_process:
         return build_trainer(config, policy.model, policy.tokenizer)
-    return TrainerProcess(build_trainer, (config, policy.model, policy.tokenizer),
-                          template=policy.model.state_dict(), threads=config.backend.torch_threads)
+    return TrainerProcess(build_trainer, (config, policy.model, policy.tokenizer), template=template,
+                          threads=threads)

@@ -31,23 +31,16 @@ from flashreinforce.metrics.plots import plot_run
 from flashreinforce.metrics.sink import MetricsSink
 from flashreinforce.run.ahrl import build_hints
 from flashreinforce.run.backends import (
-    build_backend,
     build_env_pool,
     build_episode_backend,
     build_episodes,
-    build_verifier_pool,
     check_buildable,
+    open_backend,
 )
 from flashreinforce.run.data import Data, load_data
 from flashreinforce.run.directory import create_run_dir, read_json, write_json_atomic
-from flashreinforce.run.engines import (
-    EngineShape,
-    build_engine,
-    longest_prompt,
-    rollout_params,
-)
+from flashreinforce.run.engines import EngineShape, longest_prompt, rollout_params
 from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
-from flashreinforce.run.learner import start_trainer
 from flashreinforce.run.policy import Policy, build_policy, load_policy, seed_everything
 from flashreinforce.run.scheduling import build_run_scheduler
 from flashreinforce.trainer.checkpoint import newest_intact_checkpoint
@@ -121,27 +114,24 @@ def starting_point(config: RunConfig, run_dir: Path, data: Data, resume: bool, r
 
 def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resume: bool,
                stack: contextlib.AsyncExitStack) -> RunParts:
-    """Build the run's parts; `stack` closes each one that was opened, whatever fails later."""
+    """Build the run's parts; `stack` closes each one that was opened, whatever fails later. The backend builds
+    its own engine, trainer and verifier pool: in this process, or in Ray actors (run/backends.py)."""
     episodes = build_episodes(config, start.policy.tokenizer)
     shape = EngineShape(longest_prompt(config, episodes, data), config.rollout.max_new_tokens, start.version,
                         config.seed)
-    engine = build_engine(config, start.policy, shape)
+    opened = open_backend(config, start.policy, shape, stack)
     scheduler = build_run_scheduler(config, data.train)
-    pool = stack.enter_context(build_verifier_pool(config))
     sink = MetricsSink(run_dir, tensorboard=config.log.tensorboard, wandb=config.log.wandb,
                        config=config.model_dump(mode="json"), resume_step=start.version if resume else None)
     stack.callback(sink.close)
-    trainer = start_trainer(config, start.policy)
-    stack.callback(trainer.close)
-    env_pool = build_env_pool(config)
+    env_pool = build_env_pool(config, opened.env_workers)
     if env_pool is not None:
         stack.push_async_callback(env_pool.aclose)
-    backend = build_episode_backend(config, build_backend(config, engine, trainer, pool, start.policy.tokenizer),
-                                    episodes, env_pool, shape.context)
+    backend = build_episode_backend(config, opened.backend, episodes, env_pool, shape.context)
     stack.push_async_callback(backend.close)
     if start.trainer_state is not None:
-        trainer.load_state_dict(start.trainer_state)
-    return RunParts(config, run_dir, data, episodes, scheduler, pool, sink, trainer, backend)
+        opened.trainer.load_state_dict(start.trainer_state)
+    return RunParts(config, run_dir, data, episodes, scheduler, opened.pool, sink, opened.trainer, backend)
 
 
 async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Reporter) -> dict[str, Any]:

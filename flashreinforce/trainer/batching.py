@@ -42,18 +42,36 @@ class TrainBatch:
 
     def rows(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop), trimmed of padding columns that are padding in every kept row."""
-        width = int(self.attention_mask[start:stop].sum(dim=1).max())
-        sliced = {}
+        return self._take(slice(start, stop))
+
+    def select(self, rows: torch.Tensor) -> TrainBatch:
+        """The rows at these indices (a data-parallel rank's share), trimmed like `rows`; all rows: itself."""
+        if rows.numel() == self.num_rows and bool((rows == torch.arange(self.num_rows)).all()):
+            return self
+        return self._take(rows)
+
+    def _take(self, index: slice | torch.Tensor) -> TrainBatch:
+        if isinstance(index, torch.Tensor):
+            index = index.to(self.input_ids.device)
+        width = int(self.attention_mask[index].sum(dim=1).max())
+        taken = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
-                value = value[start:stop]
+                value = value[index]
                 if value.dim() >= 2:
                     value = value[:, :width]
-            elif value is not None:
-                value = value[start:stop]
-            sliced[f.name] = value
-        return TrainBatch(**sliced)
+            elif isinstance(value, tuple):
+                value = tuple(value[i] for i in index.tolist()) if isinstance(index, torch.Tensor) else value[index]
+            taken[f.name] = value
+        return TrainBatch(**taken)
+
+    def to(self, device: torch.device) -> TrainBatch:
+        """Every tensor on `device` (the trainer's); itself when they already are."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        return TrainBatch(**{f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+                             for f in fields(self)})
 
     def microbatches(self, size: int, max_tokens: int | None = None) -> Iterator[tuple[int, TrainBatch]]:
         """(first row index, slice) of at most `size` rows each, consecutive rows in order.

@@ -18,6 +18,7 @@ figures here separate them:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,17 @@ class MismatchTally:
             self.same_weights_max = max(self.same_weights_max, float(gap[same].max()))
             self.same_weights_tokens += int(same.sum())
         lengths = mask.sum(-1).clamp_min(1)
-        self.sequence_kl.append(sequence_bernoulli_kl(micro.behavior_logprobs, current, lengths).float())
+        self.sequence_kl.append(sequence_bernoulli_kl(micro.behavior_logprobs, current, lengths).float().cpu())
+
+    @classmethod
+    def merged(cls, tallies: Sequence[MismatchTally]) -> MismatchTally:
+        """Data-parallel ranks' tallies as one (their sums added, the maximum of their maxima)."""
+        return cls(same_weights_abs=sum(t.same_weights_abs for t in tallies),
+                   same_weights_max=max(t.same_weights_max for t in tallies),
+                   same_weights_tokens=sum(t.same_weights_tokens for t in tallies),
+                   sequence_kl=[chunk for t in tallies for chunk in t.sequence_kl],
+                   routes_differing=sum(t.routes_differing for t in tallies),
+                   routes_total=sum(t.routes_total for t in tallies))
 
     def add_routes(self, differing: int, total: int) -> None:
         self.routes_differing += differing

@@ -100,7 +100,9 @@ def _recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def _publish(trainer: Trainer, weights: Mapping[str, torch.Tensor]) -> None:
+def _publish(trainer: Trainer, weights: Mapping[str, torch.Tensor] | None) -> None:
+    if weights is None:  # nobody reads this process's weights (a data-parallel rank other than 0)
+        return
     with torch.no_grad():
         for name, tensor in trainer.weights().items():
             weights[name].copy_(tensor)
@@ -123,7 +125,7 @@ def _serve(conn: Connection) -> None:
         sys.path[:] = sys_path  # before the next message: its factory resolves by name as in the parent
         torch.set_num_threads(threads)
         factory, args = _recv(conn)
-        weights = _map(path, slots, nbytes)
+        weights = _map(path, slots, nbytes) if path is not None else None
         trainer = factory(*args)
         _publish(trainer, weights)
     except Exception as error:  # noqa: BLE001 - reported to the parent, which raises it
@@ -164,15 +166,18 @@ class TrainerProcess:
     that runs the loop.
     """
 
-    def __init__(self, factory: Callable[..., Trainer], args: tuple, *, template: Mapping[str, torch.Tensor],
+    def __init__(self, factory: Callable[..., Trainer], args: tuple, *, template: Mapping[str, torch.Tensor] | None,
                  threads: int) -> None:
-        slots, nbytes = _layout(template)
-        handle, path = tempfile.mkstemp(prefix="flashreinforce-weights-", dir=_weights_dir(nbytes))
-        os.close(handle)
+        """template None: the child publishes no weights (a data-parallel rank whose peer rank 0 does)."""
+        slots, nbytes = _layout(template or {})
+        path = None
+        if template is not None:
+            handle, path = tempfile.mkstemp(prefix="flashreinforce-weights-", dir=_weights_dir(nbytes))
+            os.close(handle)
         self._lock = threading.Lock()
         self.version = 0
         try:
-            self._weights = _map(path, slots, nbytes)
+            self._weights = _map(path, slots, nbytes) if path is not None else None
             self._proc, self._conn = start_child("flashreinforce.trainer.process")
             try:
                 _send(self._conn, (list(sys.path), threads, path, slots, nbytes))
@@ -185,13 +190,17 @@ class TrainerProcess:
                 self.close()
             raise
         finally:
-            os.unlink(path)  # both processes hold the mapping; the name is no longer needed
+            if path is not None:
+                os.unlink(path)  # both processes hold the mapping; the name is no longer needed
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         return self._call("step", list(trajectories))
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights of `version` (shared memory: read them only while no step runs)."""
+        if self._weights is None:
+            raise RuntimeError("this trainer process was started with template=None and publishes no weights; "
+                               "read them from the rank that does (rank 0 of a data-parallel group)")
         return self._weights
 
     def state_dict(self) -> dict[str, Any]:
@@ -214,6 +223,11 @@ class TrainerProcess:
                 self._proc.wait()
         if hasattr(self, "_conn"):
             self._conn.close()
+
+    def kill(self) -> None:
+        """End the child at once (a data-parallel group whose peer failed: it would wait for it forever)."""
+        if hasattr(self, "_proc") and self._proc.poll() is None:
+            self._proc.kill()
 
     def _call(self, command: str, payload: Any = None) -> Any:
         with self._lock:

@@ -23,6 +23,7 @@ from flashreinforce.models.logprobs import token_logprobs
 from flashreinforce.models.moe import RouteRecorder, RouteReplay, set_mismatch
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.trainer.batching import TrainBatch, collate
+from flashreinforce.trainer.distributed import Shard
 from flashreinforce.trainer.lora import LoraAdapter, LoraSettings, attach_lora
 from flashreinforce.trainer.mismatch_stats import MismatchTally
 from flashreinforce.trainer.optim import build_optimizer
@@ -75,14 +76,21 @@ class Trainer:
         numerics: Numerics | None = None,
         router_replay: bool = True,
         lora: LoraSettings | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         """`numerics`: the trainer's weight format and compute dtype (models/numerics.py); the model is cast
         to it here and its weights become the formatted fp32 masters. `router_replay`: an MoE model's forward
         uses the experts the rollout chose (R3, models/moe.py) when the trajectories carry routes.
         `lora`: train LoRA adapters on a frozen base instead of every weight (trainer/lora.py); `model` is
-        wrapped in place, and `weights()` and `save_model` give the merged model under the base's names."""
+        wrapped in place, and `weights()` and `save_model` give the merged model under the base's names.
+        `device`: where the model computes (moved there here). In a process that joined a torch.distributed
+        group (trainer/distributed.py) this is one data-parallel rank: `step` gets the whole batch on every
+        rank and the ranks' weights stay identical."""
         if loss not in LOSSES:
             raise ValueError(f"algo.loss={loss!r} is not a known loss; choose one of {sorted(LOSSES)}")
+        self.device = torch.device(device)
+        self.shard = Shard.current()
+        model.to(self.device)  # before the adapters and the masters, which are built on the model's device
         self.lora: LoraAdapter | None = attach_lora(model, lora, numerics) if lora is not None else None
         self.model = self.lora.model if self.lora is not None else model
         self.spec = LOSSES[loss]
@@ -118,13 +126,16 @@ class Trainer:
         # default recipe) and let a token budget pack them. Normalization is global, so the order of rows
         # changes nothing but float rounding.
         trajectories = sorted(trajectories, key=lambda t: len(t.tokens))
-        batch = collate(trajectories, self.pad_token_id)
-        targets = self._targets(batch)
+        batch = collate(trajectories, self.pad_token_id).to(self.device)
+        targets = self._targets(batch)  # on the whole batch, on every rank
         self.model.train()
         self.model.zero_grad(set_to_none=True)  # the model's, not only the masters': a failed step's bf16 grads
         tally = _Tally()
-        for start, micro in batch.microbatches(self.microbatch_size, self.microbatch_tokens):
-            self._backward(micro, slice(start, start + micro.num_rows), targets, tally)
+        own = self.shard.rows(batch.num_rows)
+        if own.numel():
+            for start, micro in batch.select(own).microbatches(self.microbatch_size, self.microbatch_tokens):
+                self._backward(micro, own[start: start + micro.num_rows].to(self.device), targets, tally)
+        tally = _Tally.merged(self.shard.gather(tally))
         grad_norm, lr = self._optimizer_step()
         metrics = {"optim/grad_norm": grad_norm, "optim/lr": lr, **_batch_metrics(batch, trajectories, targets),
                    **tally.metrics(targets.norm.num_tokens), "time/train_seconds": time.perf_counter() - started}
@@ -152,7 +163,7 @@ class Trainer:
         group_accuracy = _group_accuracy(batch) if self.wpsm is not None else None
         return _Targets(rewards, advantages, norm, group_accuracy)
 
-    def _backward(self, micro: TrainBatch, rows: slice, targets: _Targets, tally: _Tally) -> None:
+    def _backward(self, micro: TrainBatch, rows: torch.Tensor, targets: _Targets, tally: _Tally) -> None:
         """Forward and backward of one microbatch: its share of the batch loss, gradients accumulated."""
         logprobs, entropies = self._policy_forward(micro, tally)
         entropies = entropies.detach()
@@ -196,6 +207,7 @@ class Trainer:
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip, step and advance the schedule; returns (grad norm before clipping, lr of this step)."""
         self.masters.grads_to_masters()  # clip, report and step in fp32
+        self.shard.sum_gradients(self.masters.params)  # the whole batch's gradient on every rank
         grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.params, self.grad_clip)
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at step {self.version}; "
@@ -286,13 +298,29 @@ class _Tally:
             if value.dim() == 0:
                 self.scalars[name] = self.scalars.get(name, 0.0) + float(value)
             else:
-                self.per_row.setdefault(name, []).append(value.detach().float())
+                self.per_row.setdefault(name, []).append(value.detach().float().cpu())
         mask = micro.loss_mask
         gap = (logprobs - micro.behavior_logprobs).masked_fill(~mask, 0.0)
         self.entropy += float(entropies.masked_fill(~mask, 0.0).sum())
         self.abs_mismatch += float(gap.abs().sum())
         # k3 estimator of KL(behavior || policy) per token: exp(d) - d - 1 with d = log pi - log mu
         self.k3_mismatch += float((torch.expm1(gap) - gap).sum())
+
+    @classmethod
+    def merged(cls, tallies: Sequence[_Tally]) -> _Tally:
+        """The data-parallel ranks' tallies as one: what a single process would have summed."""
+        if len(tallies) == 1:
+            return tallies[0]
+        total = cls(mismatch=MismatchTally.merged([t.mismatch for t in tallies]))
+        for tally in tallies:
+            for name in ("loss", "entropy", "abs_mismatch", "k3_mismatch", "wpsm_flagged", "padded_cells",
+                         "real_cells"):
+                setattr(total, name, getattr(total, name) + getattr(tally, name))
+            for name, chunks in tally.per_row.items():
+                total.per_row.setdefault(name, []).extend(chunks)
+            for name, value in tally.scalars.items():
+                total.scalars[name] = total.scalars.get(name, 0.0) + value
+        return total
 
     def metrics(self, num_tokens: int) -> dict[str, float]:
         tokens = max(num_tokens, 1)
@@ -332,7 +360,7 @@ def _group_accuracy(batch: TrainBatch) -> torch.Tensor:
     """(B,) accuracy of each row's whole group, over the full batch (not just the microbatch)."""
     passed = (~batch.failures).float()
     groups = batch.group_ids
-    sums = torch.zeros(int(groups.max()) + 1).index_add_(0, groups, passed)
+    sums = torch.zeros(int(groups.max()) + 1, device=groups.device).index_add_(0, groups, passed)
     counts = torch.zeros_like(sums).index_add_(0, groups, torch.ones_like(passed))
     return (sums / counts)[groups]
 

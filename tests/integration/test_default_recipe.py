@@ -19,3 +19,15 @@ def test_default_recipe_gains_twenty_points_in_ten_minutes(tmp_path):
     assert summary["final_accuracy"] >= summary["initial_accuracy"] + 20, summary
     assert summary["wall_seconds"] <= 600, summary
     assert summary["trained_trajectories"] == 300 * 128 and not summary["dropped_trajectories"]
+
+
+@pytest.mark.slow
+def test_default_recipe_on_two_data_parallel_ranks_gains_twenty_points(tmp_path):
+    """trainer.world_size=2: two gloo ranks in processes of their own train each batch's halves (the step
+    equals the one-rank step: tests/unit/trainer/test_data_parallel.py); the recipe must learn as well."""
+    run_dir = tmp_path / "dp"
+    subprocess.run([sys.executable, "-m", "flashreinforce", "train", "trainer.world_size=2", "--output",
+                    str(run_dir)], check=True, timeout=1200)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_accuracy"] >= summary["initial_accuracy"] + 20, summary
+    assert summary["trained_trajectories"] == 300 * 128 and not summary["dropped_trajectories"]

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from flashreinforce.buffer import Ledger
-from flashreinforce.trainer.checkpoint import latest_checkpoint, load_states
+from flashreinforce.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_states
 
 pytestmark = pytest.mark.slow  # 2-3 whole `flashreinforce train` subprocesses a test, ~10-19 s each on 2 cores
 # (most of a run is the interpreter importing torch and transformers, ~4 s, which no smaller config removes)
@@ -136,7 +136,7 @@ def test_overlapped_kill_and_resume_trains_every_rollout_once(run, request, tmp_
     if run == "moe_run":  # partial rollouts in a checkpoint keep their MoE routes (R3) into the resume; whether
         # the kill left any depends on timing (under load none may be in flight), so the deterministic round trip
         # through a checkpoint is tests/unit/rollout/test_engine_routes.py's
-        for checkpoint in sorted((run_dir / "checkpoints").glob("step_*")):
+        for checkpoint in list_checkpoints(run_dir / "checkpoints"):  # not a staging dir the kill cut short
             _, controller_state, _ = load_states(checkpoint)
             assert all(p.routes is not None and p.routes.layers == 1 for _, p in controller_state["inflight"])
     _run([sys.executable, "-m", "flashreinforce", "train", "--resume", str(run_dir)])
@@ -151,4 +151,28 @@ def test_a_trainer_process_dies_with_a_killed_run_which_then_resumes(tiny_run, t
         assert time.monotonic() < deadline, "the trainer process outlived its killed run"
         time.sleep(0.05)
     _run([sys.executable, "-m", "flashreinforce", "train", "--resume", str(run_dir), "backend.trainer_process=true"])
+    _assert_complete(run_dir)
+
+
+def test_a_killed_data_parallel_rank_fails_the_run_loudly_and_the_run_resumes(tiny_run, tmp_path):
+    run_dir = tmp_path / "run"
+    command = _command(run_dir, tiny_run, "trainer.world_size=2")
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "step_000003").exists():
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.02)
+        ranks = _trainer_children(process.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(max(ranks), signal.SIGKILL)  # the rank started second, usually rank 1
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode != 0, "the run went on without one of its ranks"
+    assert "failed during 'step'" in stderr and "flashreinforce train --resume" in stderr, stderr[-3000:]
+    _run([sys.executable, "-m", "flashreinforce", "train", "--resume", str(run_dir)])
     _assert_complete(run_dir)

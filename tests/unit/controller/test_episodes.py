@@ -451,6 +451,33 @@ def test_a_first_prompt_that_leaves_no_room_stops_the_run_naming_the_setting(env
         play(env_spec, {"r0": ["go"]}, EpisodeSettings(max_turns=5, max_context=len(first_prompt(5))))
 
 
+class DeadEngine(ScriptedBackend):
+    """The engine's thread stopped on an error: every wait for finished work raises it."""
+
+    async def finished(self):
+        await asyncio.sleep(0)
+        raise RuntimeError("the engine thread stopped on an error")
+
+
+def test_an_engine_failure_stops_the_run_with_its_error(env_spec):
+    # The failed engine wait is first seen by a done-callback, where a raise is only logged: finished() must
+    # raise it, not wait again on an engine that holds nothing (the loop once spun on "Set of Tasks/Futures is
+    # empty" for the rest of a vLLM run).
+    async def main():
+        pool = EnvPool(env_spec, step_timeout_s=10, max_workers=1)
+        await pool.start()
+        try:
+            episodes = EpisodeBackend(DeadEngine({"r0": ["go"]}), TextEpisodes(TOKENIZER), pool=pool,
+                                      settings=EpisodeSettings(max_turns=5))
+            episodes.start("r0", PROMPT, params())
+            await asyncio.wait_for(episodes.finished(), 5)
+        finally:
+            await pool.aclose()
+
+    with pytest.raises(RuntimeError, match="engine thread stopped"):
+        asyncio.run(main())
+
+
 def test_an_episode_paused_during_its_reset_is_handed_back_by_abort_and_can_start_again(env_spec):
     """pause() returns such an episode as its first prompt, in no engine; an abort (april aborts everything at
     a push) must return that partial, or the rollout would be in flight with nothing accounting for it."""

@@ -6,6 +6,8 @@ load it by `file.py:Class`, as a recipe's env.kind does)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import textwrap
 import time
 
@@ -96,7 +98,7 @@ async def with_pool(pool: EnvPool, body):
         await pool.start()
         return await body(pool)
     finally:
-        procs = [w.proc for w in pool._workers]
+        procs = [w.link.proc for w in pool._workers]
         await pool.aclose()
         assert not pool._workers and all(p.poll() is not None for p in procs)  # no worker left running
 
@@ -166,12 +168,33 @@ def test_a_crash_ends_only_its_episode_and_the_pool_keeps_working(env_dir):
         assert crashed.failure is not None and crashed.failure.startswith("env_crash:"), crashed
         assert "exit code 3" in crashed.failure
         assert not pool.has("bad") and pool.counts["env_crash"] == 1
+        assert pool.counts["crash_retries"] == 1 and pool.counts["workers_lost"] == 2  # it crashed its retry too
         after = await pool.step("ok", "look")  # replayed on a fresh worker
         assert after.failure is None and after.value.observation == echo("look", 2, 1, ["go", "look"])
         await pool.reset("new", OTHER, 2)
         assert (await pool.step("new", "go")).value.observation == echo("go", 1, 2, ["go"])
 
     run(lambda: with_pool(EnvPool(spec(env_dir, "CrashEnv"), step_timeout_s=10, max_workers=1), body))
+
+
+def test_a_worker_killed_between_two_steps_costs_its_episodes_nothing(env_dir):
+    """Killed from outside (an operator, the OOM killer): the next call finds it dead, replays the episode on a
+    new worker and runs there, so the episode goes on as if nothing happened."""
+
+    async def body(pool):
+        await pool.reset("a", PROMPT, 4)
+        first = await pool.step("a", "go")
+        (worker,) = pool._workers
+        os.killpg(worker.link.proc.pid, signal.SIGKILL)
+        worker.link.proc.wait()
+        later = [await pool.step("a", action) for action in ("look", "take")]
+        assert [o.failure for o in later] == [None, None]
+        assert pool.counts["crash_retries"] == 1 and pool.counts["replays"] == 1 and pool.counts["workers_lost"] == 1
+        assert pool.counts.get("env_crash", 0) == 0 and pool._sessions["a"].actions == ["go", "look", "take"]
+        assert [first.value.observation, *(o.value.observation for o in later)] == [
+            echo("go", 1, 4, ["go"]), echo("look", 2, 4, ["go", "look"]), echo("take", 3, 4, ["go", "look", "take"])]
+
+    run(lambda: with_pool(EnvPool(spec(env_dir, "EchoEnv"), step_timeout_s=10, max_workers=1), body))
 
 
 def test_a_raising_step_is_an_env_error_and_closes_its_session(env_dir):

@@ -16,6 +16,7 @@ from flashreinforce.models.moe import (
     replay_scores,
     route_shape,
 )
+from flashreinforce.rollout.engine import kv_cache_keyword
 
 VOCAB, HIDDEN, LAYERS, HEADS, EXPERTS, K = 50, 32, 2, 4, 4, 2
 
@@ -306,7 +307,7 @@ def test_routes_recorded_token_by_token_with_a_kv_cache_equal_the_full_forward_r
     cache = DynamicCache(config=model.config)
     with torch.no_grad(), RouteRecorder(model) as recorder:
         for position in range(ids.shape[1]):
-            model(ids[:, position:position + 1], cache=cache, use_cache=True)
+            model(ids[:, position:position + 1], **{kv_cache_keyword(model): cache}, use_cache=True)
             steps.append(recorder.take())  # (1, L, k)
     assert cache.get_seq_length() == ids.shape[1]
     incremental = torch.cat(steps)  # (T, L, k)

@@ -5,16 +5,16 @@ import pytest
 from flashreinforce.config import load_config
 from flashreinforce.run import run_training
 from flashreinforce.run.backends import build_episodes, check_buildable
-from flashreinforce.run.engines import EngineShape, build_engine, longest_prompt
+from flashreinforce.run.engines import ENGINES, EngineShape, build_engine, longest_prompt
+from flashreinforce.run.tables import pick_builder
 from flashreinforce.run.data import load_data
 from flashreinforce.run.policy import tiny_policy
 
 
-@pytest.mark.parametrize(("override", "field"), [("rollout.engine=vllm", "rollout.engine=vllm"),
-                                                 ("backend.kind=ray", "backend.kind=ray")])
-def test_a_part_without_a_builder_is_refused_naming_its_field(override, field):
-    with pytest.raises(ValueError, match=f"{field} is not available in this build yet; use one of"):
-        check_buildable(load_config(None, [override]))
+def test_a_kind_without_a_builder_is_refused_naming_its_field():
+    with pytest.raises(ValueError, match=r"rollout.engine=sglang is not available in this build yet; use one of "
+                                         r"\['local', 'vllm'\]"):
+        pick_builder(ENGINES, "rollout.engine", "sglang")
 
 
 @pytest.mark.parametrize(("kind", "says"), [("chess", "is not a known environment"),
@@ -24,10 +24,15 @@ def test_an_environment_that_cannot_be_built_is_refused_naming_env_kind(kind, sa
         check_buildable(load_config(None, [f"env.kind={kind}"]))
 
 
-def test_a_gpu_recipe_stops_at_start_up_before_it_writes_anything(tmp_path):
-    with pytest.raises(ValueError, match="is not available in this build yet"):
-        run_training(load_config("r1"), run_dir=tmp_path / "run")
-    assert not (tmp_path / "run").exists()
+@pytest.mark.parametrize("recipe", ["r1", "qwen_math", "qwen7b_tool", "qwen3_tool_ablation", "alfworld"])
+def test_a_gpu_recipe_starts_and_stops_only_at_what_this_machine_lacks(recipe, tmp_path):
+    """Every part a GPU recipe names has a builder; here it stops at the first thing it needs that a CPU
+    machine does not have (vLLM, Ray, or the recipe's data), saying what and how to get it."""
+    with pytest.raises((ValueError, ImportError)) as stopped:
+        run_training(load_config(recipe, ["log.progress=false"]), run_dir=tmp_path / "run")
+    message = str(stopped.value)
+    assert "not available in this build" not in message
+    assert any(what in message for what in ("install_vllm_cpu.sh", "ray extra", "does not exist")), message
 
 
 def test_the_engine_context_is_the_longest_prompt_plus_the_budget_and_the_model_must_hold_it(tiny_run):

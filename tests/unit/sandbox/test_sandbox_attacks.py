@@ -6,6 +6,7 @@ Every test states what the attack would do if the isolation failed, so that a br
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -17,6 +18,9 @@ import pytest
 import flashreinforce.sandbox.sandbox as sandbox_module
 from flashreinforce.sandbox import Sandbox, SandboxLimits
 from flashreinforce.sandbox.sandbox import SLACK_S
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="bwrap is not installed (apt-get install bubblewrap)")
 
 
 def test_a_normal_call_returns_its_output_interleaved_and_exit_code_0(bwrap_sandbox):
@@ -50,6 +54,7 @@ def test_an_infinite_loop_is_killed_at_the_wall_clock(short_sandbox):
 
 
 @pytest.mark.slow
+@needs_bwrap
 def test_the_cpu_limit_ends_a_busy_process_with_sigxcpu():
     with Sandbox(SandboxLimits(wall_s=10.0, cpu_s=1), isolation="bwrap") as sandbox:
         result = sandbox.run("while True:\n    pass")
@@ -120,6 +125,7 @@ def test_a_loopback_listener_in_the_parent_is_unreachable(bwrap_sandbox):
     assert f":{port:04X}" not in result.output  # and the network namespace does not even list our listener
 
 
+@needs_bwrap
 def test_secrets_in_the_environment_and_in_files_outside_are_not_readable(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHREINFORCE_TEST_SECRET", "hunter2")
     secret = tmp_path / "secret.txt"
@@ -188,6 +194,7 @@ def test_signals_name_the_ending(bwrap_sandbox):
     assert (result.exit_code, result.killed_by) == (None, "SIGSEGV")
 
 
+@needs_bwrap
 def test_a_worker_that_stops_answering_is_killed_by_the_parents_clock(monkeypatch):
     monkeypatch.setattr(sandbox_module, "SLACK_S", 0.3)
     with Sandbox(SandboxLimits(wall_s=0.3), isolation="bwrap") as sandbox:

@@ -1,0 +1,108 @@
+"""The Ray backend's trainer: data-parallel trainer rank actors behind one handle with the Trainer's face."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from flashreinforce.controller.ray_actors import TrainerActor
+from flashreinforce.controller.ray_cluster import START_TIMEOUT_S, RaySettings, brief, ready
+from flashreinforce.trainer.distributed import RankGroup
+from flashreinforce.trainer.group import TrainerRankError
+from flashreinforce.types import Trajectory
+
+
+class RayTrainer:
+    """The trainer ranks behind one handle with the Trainer's face (version, step, state, weights, model).
+
+    Every rank gets the whole batch and steps at once; rank 0 answers for the group. A rank that fails, dies
+    or misses backend.step_timeout_s stops the whole group (the others would wait in a collective forever):
+    the call raises TrainerRankError, and the run resumes from its last checkpoint.
+    """
+
+    def __init__(self, ranks: list[Any], names: list[str], step_timeout_s: float) -> None:
+        self.ranks, self.names, self.step_timeout_s = ranks, names, step_timeout_s
+        self.version = 0
+        self._stopped: str | None = None
+
+    @classmethod
+    def start(cls, settings: RaySettings, factory: Callable[..., Any], config: Any, policy: Any,
+              prefix: str) -> RayTrainer:
+        actor_class = ray.remote(TrainerActor)
+        names = [f"{prefix}-trainer-{rank}" for rank in range(settings.world_size)]
+        ranks = [actor_class.options(name=name, num_cpus=1, num_gpus=settings.trainer_gpus, max_restarts=0).remote(
+            settings.torch_threads, factory, config, policy) for name in names]
+        trainer = cls(ranks, names, settings.step_timeout_s)
+        try:
+            groups: list[RankGroup | None] = [None]
+            if settings.world_size > 1:  # rank 0's node and a port free there, reachable from every machine
+                address = ready(ranks[0].rendezvous.remote(), f"trainer actor {names[0]}")
+                groups = [RankGroup(rank, settings.world_size, address, settings.rank_backend, launcher_store=True)
+                          for rank in range(settings.world_size)]
+            trainer.version = trainer._gather("setup", [r.setup.remote(g) for r, g in zip(ranks, groups)],
+                                              START_TIMEOUT_S)[0]
+        except BaseException:
+            trainer.close()
+            raise
+        return trainer
+
+    async def step(self, batch: Sequence[Trajectory]) -> dict[str, float]:
+        batch_ref = ray.put(list(batch))  # once, for every rank
+        refs = [rank.step.remote(batch_ref) for rank in self.ranks]
+        answers = await asyncio.to_thread(self._gather, "step", refs, self.step_timeout_s)
+        metrics, self.version = answers[0]
+        return metrics
+
+    def weights_ref(self) -> Any:
+        """Rank 0's weights of `version`, as one object in the object store (every engine reads the same)."""
+        self._check_running("weights")
+        return self.ranks[0].weights.remote()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._gather("state_dict", [self.ranks[0].state_dict.remote()], self.step_timeout_s)[0]
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state_ref = ray.put(dict(state))
+        self.version = self._gather("load_state_dict", [r.load_state_dict.remote(state_ref) for r in self.ranks],
+                                    self.step_timeout_s)[0]
+
+    def model_files(self) -> dict[str, bytes]:
+        return self._gather("save_model", [self.ranks[0].model_files.remote()], self.step_timeout_s)[0]
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank, no_restart=True)
+
+    def _check_running(self, what: str) -> None:
+        if self._stopped is not None:
+            raise TrainerRankError(f"the trainer group was stopped ({self._stopped}); cannot run {what!r}")
+
+    def _gather(self, what: str, refs: list[Any], timeout_s: float) -> list[Any]:
+        """Every rank's answer, or TrainerRankError naming the first rank that failed (the group is stopped)."""
+        self._check_running(what)
+        deadline, remaining = time.monotonic() + timeout_s, list(refs)
+        while remaining:
+            ready, remaining = ray.wait(remaining, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._fail(what, refs.index(remaining[0]), f"did not answer within {timeout_s:.0f} s "
+                           "(backend.step_timeout_s)", None)
+            try:
+                ray.get(ready[0])
+            except RayActorError as error:
+                self._fail(what, refs.index(ready[0]), f"died ({brief(error)})", error)
+            except RayError as error:
+                self._fail(what, refs.index(ready[0]), f"failed ({brief(error)})", error)
+        return ray.get(refs)
+
+    def _fail(self, what: str, rank: int, how: str, error: Exception | None) -> None:
+        self._stopped = f"rank {rank} {how}"
+        self.close()
+        raise TrainerRankError(
+            f"trainer rank {rank} of {len(self.ranks)} (Ray actor {self.names[rank]}) {how} during {what!r}. The "
+            "trainer group is stopped (the other ranks would wait for it forever); `flashreinforce train --resume "
+            "<run_dir>` continues the run from its last checkpoint") from error

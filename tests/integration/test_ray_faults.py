@@ -1,0 +1,106 @@
+"""Whole runs on the Ray backend with an actor killed mid-run: an engine is restarted and nothing is lost or
+trained twice; an environment worker of an agent run is replaced and its episodes go on by replay; a trainer rank
+fails the run loudly and `--resume` continues it from the last checkpoint."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from flashreinforce.buffer import Ledger  # noqa: E402
+from flashreinforce.config import config_from_tree, load_config  # noqa: E402
+from flashreinforce.run import run_training  # noqa: E402
+from flashreinforce.run.directory import read_run_config  # noqa: E402
+from flashreinforce.trainer.checkpoint import latest_checkpoint, load_states  # noqa: E402
+from flashreinforce.trainer.group import TrainerRankError  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
+"""Whole runs, ~30-60 s each on 2 cores, on one Ray for the module (tests/conftest.py): the runs find it and leave it
+up."""
+
+BATCH = 16
+RAY_RUN = ["backend.kind=ray", "backend.num_engines=2", f"scheduler.batch_groups={BATCH}", "log.tensorboard=false",
+           "eval.num_prompts=16"]
+
+
+
+
+def _kill_when(run_dir: Path, step: int, suffix: str, no_restart: bool) -> threading.Thread:
+    """In the background: once checkpoint `step` is written, kill the run's actor named *`suffix`."""
+    def kill() -> None:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / f"step_{step:06d}").exists():
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.02)
+        (name,) = [n for n in ray.util.list_named_actors() if n.endswith(suffix)]
+        ray.kill(ray.get_actor(name), no_restart=no_restart)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def _final_ledger(run_dir: Path) -> Ledger:
+    _, controller_state, _ = load_states(latest_checkpoint(run_dir / "checkpoints"))
+    ledger = Ledger()
+    ledger.load_state_dict(controller_state["scheduler"]["ledger"])
+    ledger.check()
+    return ledger
+
+
+def _assert_exactly_once(run_dir: Path, steps: int) -> dict:
+    """Every step trained BATCH rollouts, each once; the summary says the same."""
+    ledger = _final_ledger(run_dir)
+    trained = ledger.trained()
+    assert sorted(trained.values()) == sorted(s for s in range(steps) for _ in range(BATCH)), ledger.summary()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] == steps and summary["trained_trajectories"] == steps * BATCH
+    assert summary["dropped_trajectories"] == {}
+    return summary
+
+
+def test_a_killed_engine_is_restarted_and_the_run_loses_nothing(tiny_run, tmp_path):
+    run_dir, steps = tmp_path / "run", 6
+    config = load_config(None, [*tiny_run, *RAY_RUN, f"trainer.steps={steps}"])
+    killer = _kill_when(run_dir, 1, "-engine-0", no_restart=False)  # Ray restarts it
+    run_training(config, run_dir=run_dir)  # checks the ledger itself at the end
+    killer.join(timeout=1)
+    assert not killer.is_alive()
+    _assert_exactly_once(run_dir, steps)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "loss/policy" in r][-1]
+    assert last["ray/engine_restarts"] == 1 and last["ray/requeued_requests"] > 0
+    assert last["engine/version"] == steps
+
+
+def test_a_killed_trainer_rank_fails_the_run_and_resume_continues(tiny_run, tmp_path):
+    run_dir, steps = tmp_path / "run", 8
+    config = load_config(None, [*tiny_run, *RAY_RUN, f"trainer.steps={steps}"])
+    killer = _kill_when(run_dir, 2, "-trainer-0", no_restart=True)
+    with pytest.raises(TrainerRankError, match=r"trainer rank 0 of 1 .* died .*flashreinforce train --resume"):
+        run_training(config, run_dir=run_dir)
+    killer.join(timeout=1)
+    assert not (run_dir / "summary.json").exists()
+    resumed = config_from_tree(read_run_config(run_dir))  # as `flashreinforce train --resume <run_dir>` does
+    run_training(resumed, run_dir=run_dir, resume=True)
+    _assert_exactly_once(run_dir, steps)
+
+
+def test_a_killed_environment_actor_is_replaced_and_its_episodes_go_on(agent_run, tmp_path):
+    """text_game on Ray, its one environment worker actor killed mid-run: the episodes it held replay on a new
+    actor from their seeded resets, none ends for it, and every rollout is trained once."""
+    run_dir, steps = tmp_path / "run", 3
+    config = load_config(agent_run[0], [*agent_run[1:], *RAY_RUN, f"trainer.steps={steps}", "env.max_workers=1"])
+    killer = _kill_when(run_dir, 1, "-env-0", no_restart=True)
+    run_training(config, run_dir=run_dir)
+    killer.join(timeout=1)
+    assert not killer.is_alive()
+    _assert_exactly_once(run_dir, steps)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "loss/policy" in r][-1]
+    assert last["env/workers_lost"] >= 1 and last["env/crash_retries"] >= 1 and last["env/workers_started"] >= 2
+    assert last.get("env/env_crash", 0) == 0  # no episode ended for it

@@ -1,0 +1,163 @@
+"""Data-parallel ranks (trainer/distributed.py, trainer/group.py): 2 gloo ranks give the one-process step."""
+
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from flashreinforce.models import build_model
+from flashreinforce.models.logprobs import token_logprobs
+from flashreinforce.trainer.distributed import RankGroup, Shard, join_group
+from flashreinforce.trainer.group import TrainerGroup, TrainerRankError
+from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
+from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
+
+VOCAB = 13
+
+
+def model() -> torch.nn.Module:
+    return build_model(VOCAB, 16, 2, 2, 48, seed=5)
+
+
+def trainer(net: torch.nn.Module, grads_to: str | None = None, rank: int = 0) -> Trainer:
+    """fp32, no clipping (so the recorded gradient is the raw sum), two-row microbatches, the entropy filter on.
+    With `grads_to`, every optimizer step first saves the gradient it steps with to grads_to/rank<r>.pt, and
+    after it the weights to grads_to/weights<r>.pt."""
+    built = Trainer(
+        net, loss="flashreinforce", loss_options={"negative_token_fraction": 0.5},
+        optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, total_steps=10,
+                                    min_lr_ratio=1.0, grad_clip=math.inf),
+        microbatch_size=2, pad_token_id=0, temperature=1.0, max_new_tokens=16)
+    if grads_to is not None:
+        path = os.path.join(grads_to, f"rank{rank}.pt")
+        built.optimizer.register_step_pre_hook(
+            lambda *_: torch.save([p.grad.clone() for p in built.masters.params], path))
+        built.optimizer.register_step_post_hook(
+            lambda *_: torch.save(built.weights(), os.path.join(grads_to, f"weights{rank}.pt")))
+    return built
+
+
+def rank_trainer(net: torch.nn.Module, grads_to: str, group: RankGroup) -> Trainer:
+    """The factory each rank's process runs (module level: importable there by name)."""
+    torch.set_num_threads(1)
+    join_group(group)
+    return trainer(net, grads_to, group.rank)
+
+
+def failing_rank_trainer(net: torch.nn.Module, grads_to: str, group: RankGroup) -> Trainer:
+    """rank_trainer, except that rank 1 fails before it joins the group."""
+    if group.rank == 1:
+        raise ValueError("rank 1 cannot build its trainer")
+    return rank_trainer(net, grads_to, group)
+
+
+def batch(rows: int = 7, seed: int = 0) -> list[Trajectory]:
+    """Rows of different lengths (so the ranks' shares differ), half failed, one group per row; behavior
+    log-probs are the initial model's own, so the trust region passes every row and the gradient is not 0."""
+    g = torch.Generator().manual_seed(seed)
+    sampler = model()
+    out = []
+    for i in range(rows):
+        n = 4 + int(torch.randint(0, 12, (1,), generator=g))
+        tokens = torch.randint(1, VOCAB, (1, n), generator=g)
+        mask = tuple(int(j >= 3) for j in range(n))
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(sampler, tokens, with_entropy=False)
+        reward = float(i % 2)
+        out.append(Trajectory(
+            key=RolloutKey(f"p{i}", 0), prompt=Prompt(id=f"p{i}", prompt="x", ground_truth="1"), group=i,
+            tokens=tuple(tokens[0].tolist()), loss_mask=mask,
+            behavior_logprobs=tuple(float(lp) * m for lp, m in zip(logprobs[0], mask)),
+            policy_versions=tuple(0 if m else FORCED_VERSION for m in mask), prompt_length=3,
+            finish_reason="stop", verdict=Verdict(reward=reward, passed=reward > 0)))
+    return out
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' setting: same kernels
+    yield
+    torch.set_num_threads(threads)
+
+
+def group(tmp_path, world_size: int = 2) -> TrainerGroup:
+    return TrainerGroup(rank_trainer, (model(), str(tmp_path)), world_size=world_size, backend="gloo",
+                        template=model().state_dict(), threads=1)
+
+
+def test_the_ranks_share_out_every_row_once():
+    shares = [Shard(rank, 3).rows(8).tolist() for rank in range(3)]
+    assert shares == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    assert Shard().rows(4).tolist() == [0, 1, 2, 3]
+
+
+# 3 ranks, 2 rows: rank 2 trains nothing and still takes part in the sum
+@pytest.mark.parametrize(("world_size", "rows"), [(2, 7), pytest.param(3, 2, marks=pytest.mark.slow)])
+def test_gloo_ranks_give_the_one_process_gradient_and_step(tmp_path, one_thread, world_size, rows):
+    (tmp_path / "single").mkdir()
+    single = trainer(model(), str(tmp_path / "single"))
+    expected = single.step(batch(rows))
+    reference = torch.load(tmp_path / "single" / "rank0.pt")
+    assert expected["optim/grad_norm"] > 1e-3 and expected["mismatch/gate_rejected_fraction"] == 0
+    ranks = group(tmp_path, world_size)
+    try:
+        got = ranks.step(batch(rows))
+        for rank in range(world_size):
+            for mine, theirs in zip(torch.load(tmp_path / f"rank{rank}.pt"), reference, strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+        assert got.keys() == expected.keys()
+        for name in ("loss/policy", "optim/grad_norm", "entropy/mean", "mismatch/seq_kl_p50", "batch/rows",
+                     "batch/policy_tokens", "mismatch/abs_logprob_diff"):
+            assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+        assert ranks.version == single.version == 1
+        # AdamW's first step moves each weight by about lr * sign(grad), so a gradient of ~1e-9 that differs
+        # in its last bits moves its weight by up to ~lr * 1e-3: the weights agree to 1e-5, the gradients to 1e-6.
+        for name, tensor in single.weights().items():
+            torch.testing.assert_close(ranks.weights()[name], tensor, rtol=0, atol=1e-5)
+    finally:
+        ranks.close()
+
+
+@pytest.mark.slow
+def test_both_ranks_hold_the_same_weights_after_steps(tmp_path, one_thread):
+    ranks = group(tmp_path)
+    try:
+        for step in range(3):
+            ranks.step(batch(5, seed=step))
+        weights = [torch.load(tmp_path / f"weights{rank}.pt") for rank in (0, 1)]  # each rank's own, after step 3
+        assert weights[0].keys() == weights[1].keys()
+        for name, tensor in weights[0].items():
+            assert torch.equal(tensor, weights[1][name]), name
+        assert ranks.weights().keys() == weights[0].keys()  # rank 0 publishes the group's weights
+        with pytest.raises(RuntimeError, match="publishes no weights"):
+            ranks.ranks[1].weights()  # the others publish none: nobody reads them
+        state = ranks.state_dict()
+        assert state["version"] == 3
+    finally:
+        ranks.close()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_step_loudly(tmp_path, one_thread):
+    ranks = group(tmp_path)
+    try:
+        ranks.step(batch(4))
+        os.kill(ranks.ranks[1]._proc.pid, signal.SIGKILL)
+        with pytest.raises(TrainerRankError, match=r"rank 1 of 2 failed during 'step'.*flashreinforce train --resume"):
+            ranks.step(batch(4))
+    finally:
+        ranks.close()
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_to_start_fails_the_group_at_once_naming_it(tmp_path, one_thread):
+    """Rank 0 would wait in join_group for the failed rank until its 300 s timeout: the group stops it."""
+    started = time.monotonic()
+    with pytest.raises(TrainerRankError, match=r"rank 1 \(first\): ValueError: rank 1 cannot build its trainer"):
+        TrainerGroup(failing_rank_trainer, (model(), str(tmp_path)), world_size=2, backend="gloo",
+                     template=model().state_dict(), threads=1)
+    assert time.monotonic() - started < 120
