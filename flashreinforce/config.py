@@ -386,6 +386,11 @@ class TrainerConfig(_Section):
     """Data-parallel ranks (torch.distributed: gloo on CPU, NCCL on GPU). Every rank gets the whole learner
     batch, normalizes it globally, trains its share of the rows and all-reduces the gradients, so the step
     equals the one-rank step (DESIGN invariant 4)."""
+    sharding: Literal["replicate", "fsdp"] = "replicate"
+    """How the ranks hold the model: replicate (each a full copy of weights, gradients and AdamW state) or fsdp
+    (FSDP2: each holds 1/world_size of them, gathered block by block for compute; trainer/sharding.py). The
+    step is the same either way. fsdp takes effect with world_size > 1, in fp32 or bf16 (precision.trainer,
+    mode separate), without LoRA; a checkpoint resumes only with the sharding it was written by."""
     steps: int = Field(120, ge=0)
     """Optimizer steps of RL (one per learner batch)."""
     lr: float = Field(3e-4, gt=0)
@@ -528,6 +533,20 @@ class RunConfig(_Section):
             raise ValueError("algo.dynamic_sampling=true keeps only groups whose rewards differ, and with "
                              "scheduler.group_size=1 no group can: set scheduler.group_size >= 2 or "
                              "algo.dynamic_sampling=false")
+        return self
+
+    @model_validator(mode="after")
+    def _shardable(self) -> RunConfig:
+        if self.trainer.sharding != "fsdp":
+            return self
+        if self.trainer.lora is not None:
+            raise ValueError("trainer.sharding=fsdp does not shard LoRA adapters (they are small: replicate them); "
+                             "set trainer.sharding=replicate or drop trainer.lora")
+        precision = self.precision
+        if precision.trainer == "fp8" or (precision.mode == "unified" and precision.trainer != "fp32"):
+            raise ValueError(f"trainer.sharding=fsdp computes in fp32 or bf16 (separate) only, not "
+                             f"precision.trainer={precision.trainer} mode={precision.mode}; change precision or set "
+                             "trainer.sharding=replicate")
         return self
 
 

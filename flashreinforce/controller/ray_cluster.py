@@ -29,6 +29,8 @@ class RaySettings:
     world_size: int
     rank_backend: str
     """torch.distributed backend of the trainer ranks: gloo (CPU) or nccl (GPU)."""
+    sharded_trainer: bool
+    """trainer.sharding=fsdp with several ranks: reading weights, state or the model is a collective of all."""
     engine_gpus: float
     trainer_gpus: float
     verifier_workers: tuple[int, int]

@@ -25,8 +25,11 @@ class RayTrainer:
     the call raises TrainerRankError, and the run resumes from its last checkpoint.
     """
 
-    def __init__(self, ranks: list[Any], names: list[str], step_timeout_s: float) -> None:
-        self.ranks, self.names, self.step_timeout_s = ranks, names, step_timeout_s
+    def __init__(self, ranks: list[Any], names: list[str], step_timeout_s: float, sharded: bool = False) -> None:
+        """`sharded`: the ranks are FSDP-sharded, so a read of weights, state or model joins every rank."""
+        self.ranks, self.names, self.step_timeout_s, self.sharded = ranks, names, step_timeout_s, sharded
+        self._peer_reads: list[Any] = []
+        """The other ranks' parts in the last sharded weights read (they answer {}): checked at the next call."""
         self.version = 0
         self._stopped: str | None = None
 
@@ -37,7 +40,7 @@ class RayTrainer:
         names = [f"{prefix}-trainer-{rank}" for rank in range(settings.world_size)]
         ranks = [actor_class.options(name=name, num_cpus=1, num_gpus=settings.trainer_gpus, max_restarts=0).remote(
             settings.torch_threads, factory, config, policy) for name in names]
-        trainer = cls(ranks, names, settings.step_timeout_s)
+        trainer = cls(ranks, names, settings.step_timeout_s, settings.sharded_trainer)
         try:
             groups: list[RankGroup | None] = [None]
             if settings.world_size > 1:  # rank 0's node and a port free there, reachable from every machine
@@ -59,12 +62,15 @@ class RayTrainer:
         return metrics
 
     def weights_ref(self) -> Any:
-        """Rank 0's weights of `version`, as one object in the object store (every engine reads the same)."""
+        """Rank 0's weights of `version`, as one object in the object store (every engine reads the same).
+        Sharded, every rank takes part in gathering them; the others' answers ({}) are checked at the next call."""
         self._check_running("weights")
-        return self.ranks[0].weights.remote()
+        refs = [rank.weights.remote() for rank in self._readers()]
+        self._peer_reads.extend(refs[1:])
+        return refs[0]
 
     def state_dict(self) -> dict[str, Any]:
-        return self._gather("state_dict", [self.ranks[0].state_dict.remote()], self.step_timeout_s)[0]
+        return self._gather("state_dict", [r.state_dict.remote() for r in self._readers()], self.step_timeout_s)[0]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state_ref = ray.put(dict(state))
@@ -72,7 +78,11 @@ class RayTrainer:
                                     self.step_timeout_s)[0]
 
     def model_files(self) -> dict[str, bytes]:
-        return self._gather("save_model", [self.ranks[0].model_files.remote()], self.step_timeout_s)[0]
+        return self._gather("save_model", [r.model_files.remote() for r in self._readers()], self.step_timeout_s)[0]
+
+    def _readers(self) -> list[Any]:
+        """The ranks that answer a read: rank 0 alone, or every rank when the read is a collective (sharded)."""
+        return self.ranks if self.sharded else self.ranks[:1]
 
     def close(self) -> None:
         for rank in self.ranks:
@@ -83,20 +93,24 @@ class RayTrainer:
             raise TrainerRankError(f"the trainer group was stopped ({self._stopped}); cannot run {what!r}")
 
     def _gather(self, what: str, refs: list[Any], timeout_s: float) -> list[Any]:
-        """Every rank's answer, or TrainerRankError naming the first rank that failed (the group is stopped)."""
+        """Every rank's answer (refs[i] is rank i's), or TrainerRankError naming the first rank that failed (the
+        group is stopped). The peers' parts of an earlier sharded weights read are waited on first."""
         self._check_running(what)
-        deadline, remaining = time.monotonic() + timeout_s, list(refs)
+        peers, self._peer_reads = self._peer_reads, []
+        ranks = {ref: rank for rank, ref in enumerate(refs)}
+        ranks.update({ref: 1 + i % (len(self.ranks) - 1) for i, ref in enumerate(peers)})
+        deadline, remaining = time.monotonic() + timeout_s, [*peers, *refs]
         while remaining:
             ready, remaining = ray.wait(remaining, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                self._fail(what, refs.index(remaining[0]), f"did not answer within {timeout_s:.0f} s "
+                self._fail(what, ranks[remaining[0]], f"did not answer within {timeout_s:.0f} s "
                            "(backend.step_timeout_s)", None)
             try:
                 ray.get(ready[0])
             except RayActorError as error:
-                self._fail(what, refs.index(ready[0]), f"died ({brief(error)})", error)
+                self._fail(what, ranks[ready[0]], f"died ({brief(error)})", error)
             except RayError as error:
-                self._fail(what, refs.index(ready[0]), f"failed ({brief(error)})", error)
+                self._fail(what, ranks[ready[0]], f"failed ({brief(error)})", error)
         return ray.get(refs)
 
     def _fail(self, what: str, rank: int, how: str, error: Exception | None) -> None:

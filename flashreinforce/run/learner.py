@@ -40,6 +40,7 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
         router_replay=trainer.router_replay,
         lora=lora_settings(config),
         device=resolve_device("trainer.device", trainer.device, rank=rank),
+        sharding=trainer.sharding,
     )
 
 
@@ -72,7 +73,7 @@ def start_trainer(config: RunConfig, policy: Policy) -> Trainer | TrainerProcess
     if config.trainer.world_size > 1:
         return TrainerGroup(build_rank_trainer, (config, policy.model, policy.tokenizer),
                             world_size=config.trainer.world_size, backend=rank_backend(config), template=template,
-                            threads=threads)
+                            threads=threads, sharded=config.trainer.sharding == "fsdp")
     if config.deterministic or not config.backend.trainer_process:
         return build_trainer(config, policy.model, policy.tokenizer)
     return TrainerProcess(build_trainer, (config, policy.model, policy.tokenizer), template=template,

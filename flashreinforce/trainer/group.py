@@ -3,7 +3,8 @@
 Each rank is a TrainerProcess (trainer/process.py) whose factory joins the group before it builds its Trainer
 (trainer/distributed.py says how a step is split and summed). `TrainerGroup` has the methods of Trainer that
 the backend calls: a step goes to every rank at once with the whole batch, and rank 0 answers for the group
-(its metrics, its weights, its optimizer state; the other ranks hold the same). A rank that fails or dies
+(its metrics, its weights, its optimizer state; the other ranks hold the same, or with trainer.sharding=fsdp
+their shards of them, gathered to rank 0 when read). A rank that fails or dies
 fails the step loudly, with what happened to which rank: the others are left blocked in a collective, so the
 group is closed and the run must resume from its last checkpoint (`flashreinforce train --resume <run_dir>`).
 
@@ -36,7 +37,10 @@ class TrainerGroup:
     """`world_size` ranks, each `factory(*args, RankGroup(rank, ...))` in a process of its own."""
 
     def __init__(self, factory: Callable[..., Trainer], args: tuple, *, world_size: int, backend: str,
-                 template: Mapping[str, torch.Tensor], threads: int) -> None:
+                 template: Mapping[str, torch.Tensor], threads: int, sharded: bool = False) -> None:
+        """`sharded`: the ranks' trainers are FSDP-sharded (trainer/sharding.py), so reading their optimizer
+        state or saving the model is a collective that every rank joins (rank 0 still answers)."""
+        self.sharded = sharded
         self._store, init_method = launcher_store()
         self._pool = ThreadPoolExecutor(max_workers=world_size, thread_name_prefix="trainer-rank")
         # The ranks join the group in their constructors, which block until all have: start them together.
@@ -79,12 +83,17 @@ class TrainerGroup:
         return self.ranks[0].weights()
 
     def state_dict(self) -> dict[str, Any]:
+        if self.sharded:
+            return self._gather("state_dict", [r.state_dict for r in self.ranks])[0]
         return self.ranks[0].state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._gather("load_state_dict", [lambda r=r: r.load_state_dict(state) for r in self.ranks])
 
     def save_model(self, directory: Path) -> None:
+        if self.sharded:
+            self._gather("save_model", [lambda r=r: r.save_model(directory) for r in self.ranks])
+            return
         self.ranks[0].save_model(directory)
 
     def close(self) -> None:

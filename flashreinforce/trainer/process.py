@@ -101,10 +101,13 @@ def _recv(conn: Connection) -> Any:
 
 
 def _publish(trainer: Trainer, weights: Mapping[str, torch.Tensor] | None) -> None:
-    if weights is None:  # nobody reads this process's weights (a data-parallel rank other than 0)
+    if weights is None and not trainer.sharded:  # nobody reads this rank's weights (a data-parallel rank but 0)
+        return
+    full = trainer.weights()  # a sharded trainer's is a collective: every rank takes part, rank 0 gets them
+    if weights is None:
         return
     with torch.no_grad():
-        for name, tensor in trainer.weights().items():
+        for name, tensor in full.items():
             weights[name].copy_(tensor)
 
 

@@ -8,6 +8,7 @@ policy at the start of the step: the first (and only) forward gives it, detached
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,15 @@ from flashreinforce.trainer.lora import LoraAdapter, LoraSettings, attach_lora
 from flashreinforce.trainer.mismatch_stats import MismatchTally
 from flashreinforce.trainer.optim import build_optimizer
 from flashreinforce.trainer.precision import MasterWeights
+from flashreinforce.trainer.sharding import (
+    SHARDINGS,
+    full_optimizer_state,
+    full_weights,
+    load_full_optimizer_state,
+    load_full_weights,
+    shard_model,
+    total_norm,
+)
 from flashreinforce.types import Trajectory
 
 
@@ -77,6 +87,7 @@ class Trainer:
         router_replay: bool = True,
         lora: LoraSettings | None = None,
         device: torch.device | str = "cpu",
+        sharding: str = "replicate",
     ) -> None:
         """`numerics`: the trainer's weight format and compute dtype (models/numerics.py); the model is cast
         to it here and its weights become the formatted fp32 masters. `router_replay`: an MoE model's forward
@@ -85,12 +96,20 @@ class Trainer:
         wrapped in place, and `weights()` and `save_model` give the merged model under the base's names.
         `device`: where the model computes (moved there here). In a process that joined a torch.distributed
         group (trainer/distributed.py) this is one data-parallel rank: `step` gets the whole batch on every
-        rank and the ranks' weights stay identical."""
+        rank and the ranks' weights stay identical; `sharding="fsdp"` shards them instead (trainer/sharding.py)."""
         if loss not in LOSSES:
             raise ValueError(f"algo.loss={loss!r} is not a known loss; choose one of {sorted(LOSSES)}")
+        if sharding not in SHARDINGS:
+            raise ValueError(f"trainer.sharding={sharding!r} is not one of {SHARDINGS}")
         self.device = torch.device(device)
         self.shard = Shard.current()
+        self.sharded = sharding == "fsdp" and self.shard.world_size > 1
+        self.compute_dtype = (numerics or Numerics()).compute_dtype
         model.to(self.device)  # before the adapters and the masters, which are built on the model's device
+        if self.sharded:
+            _check_shardable(lora, numerics)
+            shard_model(model.float(), self.compute_dtype)
+            numerics = None  # the sharded fp32 parameters are the masters; FSDP casts them for compute
         self.lora: LoraAdapter | None = attach_lora(model, lora, numerics) if lora is not None else None
         self.model = self.lora.model if self.lora is not None else model
         self.spec = LOSSES[loss]
@@ -132,9 +151,15 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)  # the model's, not only the masters': a failed step's bf16 grads
         tally = _Tally()
         own = self.shard.rows(batch.num_rows)
-        if own.numel():
-            for start, micro in batch.select(own).microbatches(self.microbatch_size, self.microbatch_tokens):
-                self._backward(micro, own[start: start + micro.num_rows].to(self.device), targets, tally)
+        micros = list(batch.select(own).microbatches(self.microbatch_size, self.microbatch_tokens)
+                      if own.numel() else ())
+        # Sharded, every forward and backward is a collective: each rank runs as many as the busiest (agreed on
+        # before the first, as collectives must come in the same order on every rank).
+        idle = max(self.shard.gather(len(micros))) - len(micros) if self.sharded else 0
+        for start, micro in micros:
+            self._backward(micro, own[start: start + micro.num_rows].to(self.device), targets, tally)
+        for _ in range(idle):
+            self._idle_backward(batch.rows(0, 1))
         tally = _Tally.merged(self.shard.gather(tally))
         grad_norm, lr = self._optimizer_step()
         metrics = {"optim/grad_norm": grad_norm, "optim/lr": lr, **_batch_metrics(batch, trajectories, targets),
@@ -183,6 +208,13 @@ class Trainer:
         tally.add(micro, loss, stats, logprobs.detach(), entropies)
         tally.mismatch.add(micro, logprobs.detach(), version=self.version)
 
+    def _idle_backward(self, micro: TrainBatch) -> None:
+        """A pass whose loss is 0, so that a sharded rank with fewer microbatches than its peers still joins
+        their gathers and reduce-scatters; it adds nothing to any gradient."""
+        logprobs, _ = token_logprobs(self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature,
+                                     with_entropy=False)
+        (logprobs.sum() * 0.0).backward()
+
     def _policy_forward(self, micro: TrainBatch, tally: _Tally) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and entropies; an MoE rollout's routes are replayed (R3) or, with replay off,
         compared with the trainer's own choice (mismatch/route_disagreement either way)."""
@@ -207,8 +239,9 @@ class Trainer:
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip, step and advance the schedule; returns (grad norm before clipping, lr of this step)."""
         self.masters.grads_to_masters()  # clip, report and step in fp32
-        self.shard.sum_gradients(self.masters.params)  # the whole batch's gradient on every rank
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.params, self.grad_clip)
+        if not self.sharded:  # a sharded model's backward already reduce-scattered the sum
+            self.shard.sum_gradients(self.masters.params)  # the whole batch's gradient on every rank
+        grad_norm = total_norm(torch.nn.utils.clip_grad_norm_(self.masters.params, self.grad_clip))
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at step {self.version}; "
                                      "lower trainer.lr or check the rewards")
@@ -222,14 +255,23 @@ class Trainer:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's weights (what the engine loads at a push); with LoRA the merged ones, under the base
-        model's names and shapes."""
+        model's names and shapes. Sharded: a collective, the full weights in the trainer's format on rank 0 and {}
+        on the other ranks."""
+        if self.sharded:
+            return {name: tensor.to(self.compute_dtype) if tensor.is_floating_point() else tensor
+                    for name, tensor in full_weights(self.model).items()}
         if self.lora is not None:
             return self.lora.merged_state()
         return self.model.state_dict()
 
     def save_model(self, directory: Path) -> None:
         """The model in Hugging Face format (safetensors); with LoRA the merged model, and the adapter alone
-        (peft format) in `directory/adapter`."""
+        (peft format) in `directory/adapter`. Sharded: a collective; rank 0 writes."""
+        if self.sharded:
+            weights = self.weights()
+            if self.shard.rank == 0:
+                _save_sharded(self.model, directory, weights, self.compute_dtype)
+            return
         if self.lora is not None:
             self.lora.save(directory)
             return
@@ -239,6 +281,9 @@ class Trainer:
         """Nothing to release in this process; here so a run closes a Trainer and a TrainerProcess alike."""
 
     def state_dict(self) -> dict[str, Any]:
+        """What a resume needs besides the saved model. Sharded: a collective, {} on ranks other than 0."""
+        if self.sharded:
+            return self._sharded_state()
         state = {
             "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(),
@@ -251,7 +296,28 @@ class Trainer:
             state["lora"] = self.lora.state_dict()
         return state
 
+    def _sharded_state(self) -> dict[str, Any]:
+        """The optimizer's state by parameter name (not by index, as an unsharded one's), and in bf16 the fp32
+        masters, gathered in full: a resume may use another world size."""
+        state = {"sharding": "fsdp", "optimizer": full_optimizer_state(self.model, self.optimizer),
+                 "schedule": self.schedule.state_dict(), "version": self.version}
+        if self.compute_dtype != torch.float32:
+            state["master_weights"] = full_weights(self.model)
+        return state if self.shard.rank == 0 else {}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        written, own = state.get("sharding", "replicate"), "fsdp" if self.sharded else "replicate"
+        if written != own:
+            raise ValueError(f"trainer.sharding: the checkpoint was written with sharding {written} but this trainer "
+                             f"is {own} (fsdp takes effect with trainer.world_size > 1); resume with the checkpoint's "
+                             "trainer.sharding and a world size that gives it")
+        if self.sharded:
+            if "master_weights" in state:
+                load_full_weights(self.model, state["master_weights"])
+            load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            self.schedule.load_state_dict(state["schedule"])
+            self.version = int(state["version"])
+            return
         if ("lora" in state) != (self.lora is not None):
             saved, own = ("LoRA", "full fine-tuning") if "lora" in state else ("full fine-tuning", "LoRA")
             raise ValueError(f"trainer.lora: the checkpoint was written by {saved} but this run does {own}; "
@@ -263,6 +329,26 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.version = int(state["version"])
+
+
+def _check_shardable(lora: LoraSettings | None, numerics: Numerics | None) -> None:
+    if lora is not None:
+        raise ValueError("trainer.sharding=fsdp does not shard LoRA adapters (they are small: replicate them); "
+                         "set trainer.sharding=replicate or drop trainer.lora")
+    if numerics is not None and (numerics.precision == "fp8" or (numerics.unified and numerics.formats_weights)):
+        raise ValueError(f"trainer.sharding=fsdp computes in fp32 or bf16 only, not precision={numerics.precision}"
+                         f"{' unified' if numerics.unified else ''}; set precision.trainer to fp32 or bf16 "
+                         "(unified off), or trainer.sharding=replicate")
+
+
+def _save_sharded(model: torch.nn.Module, directory: Path, weights: Mapping[str, torch.Tensor],
+                  dtype: torch.dtype) -> None:
+    """A sharded model's gathered weights as a Hugging Face checkpoint of its own class (transformers drops the
+    FSDP prefix of the class name), whose config names the weights' dtype, not the fp32 of the shards."""
+    model.save_pretrained(directory, state_dict=dict(weights), safe_serialization=True)
+    config = copy.deepcopy(model.config)
+    config.dtype = dtype
+    config.save_pretrained(directory)
 
 
 @dataclass(frozen=True, eq=False)

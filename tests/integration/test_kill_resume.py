@@ -154,9 +154,11 @@ def test_a_trainer_process_dies_with_a_killed_run_which_then_resumes(tiny_run, t
     _assert_complete(run_dir)
 
 
-def test_a_killed_data_parallel_rank_fails_the_run_loudly_and_the_run_resumes(tiny_run, tmp_path):
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
+def test_a_killed_data_parallel_rank_fails_the_run_loudly_and_the_run_resumes(tiny_run, tmp_path, sharding):
+    """fsdp: the checkpoints (the model gathered to rank 0, the optimizer state in full) resume a sharded group."""
     run_dir = tmp_path / "run"
-    command = _command(run_dir, tiny_run, "trainer.world_size=2")
+    command = _command(run_dir, tiny_run, "trainer.world_size=2", f"trainer.sharding={sharding}")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240

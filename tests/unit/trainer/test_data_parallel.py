@@ -7,9 +7,13 @@ import time
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 
+from flashreinforce.config import load_config
 from flashreinforce.models import build_model
 from flashreinforce.models.logprobs import token_logprobs
+from flashreinforce.models.numerics import Numerics
 from flashreinforce.trainer.distributed import RankGroup, Shard, join_group
 from flashreinforce.trainer.group import TrainerGroup, TrainerRankError
 from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
@@ -18,47 +22,55 @@ from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory,
 VOCAB = 13
 
 
-def model() -> torch.nn.Module:
-    return build_model(VOCAB, 16, 2, 2, 48, seed=5)
+def model(num_experts: int = 0) -> torch.nn.Module:
+    return build_model(VOCAB, 16, 2, 2, 48, seed=5, num_experts=num_experts)
 
 
-def trainer(net: torch.nn.Module, grads_to: str | None = None, rank: int = 0) -> Trainer:
+def trainer(net: torch.nn.Module, grads_to: str | None = None, rank: int = 0, sharding: str = "replicate",
+            precision: str = "fp32") -> Trainer:
     """fp32, no clipping (so the recorded gradient is the raw sum), two-row microbatches, the entropy filter on.
-    With `grads_to`, every optimizer step first saves the gradient it steps with to grads_to/rank<r>.pt, and
-    after it the weights to grads_to/weights<r>.pt."""
+    With `grads_to`, every optimizer step first saves the gradient it steps with to grads_to/rank<r>.pt (a
+    sharded rank's gathered in full), and after it the weights to grads_to/weights<r>.pt (a sharded group's
+    on rank 0 only)."""
     built = Trainer(
         net, loss="flashreinforce", loss_options={"negative_token_fraction": 0.5},
         optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, total_steps=10,
                                     min_lr_ratio=1.0, grad_clip=math.inf),
-        microbatch_size=2, pad_token_id=0, temperature=1.0, max_new_tokens=16)
+        microbatch_size=2, pad_token_id=0, temperature=1.0, max_new_tokens=16, sharding=sharding,
+        numerics=Numerics(precision))
     if grads_to is not None:
         path = os.path.join(grads_to, f"rank{rank}.pt")
         built.optimizer.register_step_pre_hook(
-            lambda *_: torch.save([p.grad.clone() for p in built.masters.params], path))
+            lambda *_: torch.save([full(p.grad).clone() for p in built.masters.params], path))
         built.optimizer.register_step_post_hook(
             lambda *_: torch.save(built.weights(), os.path.join(grads_to, f"weights{rank}.pt")))
     return built
 
 
-def rank_trainer(net: torch.nn.Module, grads_to: str, group: RankGroup) -> Trainer:
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def rank_trainer(net: torch.nn.Module, grads_to: str, sharding: str, precision: str, group: RankGroup) -> Trainer:
     """The factory each rank's process runs (module level: importable there by name)."""
     torch.set_num_threads(1)
     join_group(group)
-    return trainer(net, grads_to, group.rank)
+    return trainer(net, grads_to, group.rank, sharding, precision)
 
 
-def failing_rank_trainer(net: torch.nn.Module, grads_to: str, group: RankGroup) -> Trainer:
+def failing_rank_trainer(net: torch.nn.Module, grads_to: str, sharding: str, precision: str,
+                         group: RankGroup) -> Trainer:
     """rank_trainer, except that rank 1 fails before it joins the group."""
     if group.rank == 1:
         raise ValueError("rank 1 cannot build its trainer")
-    return rank_trainer(net, grads_to, group)
+    return rank_trainer(net, grads_to, sharding, precision, group)
 
 
-def batch(rows: int = 7, seed: int = 0) -> list[Trajectory]:
+def batch(rows: int = 7, seed: int = 0, num_experts: int = 0) -> list[Trajectory]:
     """Rows of different lengths (so the ranks' shares differ), half failed, one group per row; behavior
     log-probs are the initial model's own, so the trust region passes every row and the gradient is not 0."""
     g = torch.Generator().manual_seed(seed)
-    sampler = model()
+    sampler = model(num_experts)
     out = []
     for i in range(rows):
         n = 4 + int(torch.randint(0, 12, (1,), generator=g))
@@ -84,9 +96,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def group(tmp_path, world_size: int = 2) -> TrainerGroup:
-    return TrainerGroup(rank_trainer, (model(), str(tmp_path)), world_size=world_size, backend="gloo",
-                        template=model().state_dict(), threads=1)
+def group(tmp_path, world_size: int = 2, sharding: str = "replicate", precision: str = "fp32",
+          net: torch.nn.Module | None = None) -> TrainerGroup:
+    net = net or model()
+    return TrainerGroup(rank_trainer, (net, str(tmp_path), sharding, precision), world_size=world_size,
+                        backend="gloo", template=net.state_dict(), threads=1, sharded=sharding == "fsdp")
 
 
 def test_the_ranks_share_out_every_row_once():
@@ -95,17 +109,21 @@ def test_the_ranks_share_out_every_row_once():
     assert Shard().rows(4).tolist() == [0, 1, 2, 3]
 
 
-# 3 ranks, 2 rows: rank 2 trains nothing and still takes part in the sum
-@pytest.mark.parametrize(("world_size", "rows"), [(2, 7), pytest.param(3, 2, marks=pytest.mark.slow)])
-def test_gloo_ranks_give_the_one_process_gradient_and_step(tmp_path, one_thread, world_size, rows):
+# 3 ranks, 2 rows: rank 2 trains nothing and still takes part in the sum (sharded: in every gather and
+# reduce-scatter of its peers' microbatches)
+# an MoE model (4 experts, top-2): the experts a rank's tokens do not pick still get their (zero) gradient shards
+@pytest.mark.parametrize(("world_size", "rows", "sharding", "experts"), [
+    (2, 7, "replicate", 0), (2, 7, "fsdp", 0), pytest.param(2, 7, "fsdp", 4, marks=pytest.mark.slow),
+    pytest.param(3, 2, "replicate", 0, marks=pytest.mark.slow), pytest.param(3, 2, "fsdp", 0, marks=pytest.mark.slow)])
+def test_gloo_ranks_give_the_one_process_gradient_and_step(tmp_path, one_thread, world_size, rows, sharding, experts):
     (tmp_path / "single").mkdir()
-    single = trainer(model(), str(tmp_path / "single"))
-    expected = single.step(batch(rows))
+    single = trainer(model(experts), str(tmp_path / "single"))
+    expected = single.step(batch(rows, num_experts=experts))
     reference = torch.load(tmp_path / "single" / "rank0.pt")
     assert expected["optim/grad_norm"] > 1e-3 and expected["mismatch/gate_rejected_fraction"] == 0
-    ranks = group(tmp_path, world_size)
+    ranks = group(tmp_path, world_size, sharding, net=model(experts))
     try:
-        got = ranks.step(batch(rows))
+        got = ranks.step(batch(rows, num_experts=experts))
         for rank in range(world_size):
             for mine, theirs in zip(torch.load(tmp_path / f"rank{rank}.pt"), reference, strict=True):
                 torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
@@ -158,6 +176,58 @@ def test_a_rank_that_fails_to_start_fails_the_group_at_once_naming_it(tmp_path, 
     """Rank 0 would wait in join_group for the failed rank until its 300 s timeout: the group stops it."""
     started = time.monotonic()
     with pytest.raises(TrainerRankError, match=r"rank 1 \(first\): ValueError: rank 1 cannot build its trainer"):
-        TrainerGroup(failing_rank_trainer, (model(), str(tmp_path)), world_size=2, backend="gloo",
+        TrainerGroup(failing_rank_trainer, (model(), str(tmp_path), "replicate", "fp32"), world_size=2, backend="gloo",
                      template=model().state_dict(), threads=1)
     assert time.monotonic() - started < 120
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_sharded_group_saves_a_loadable_model_and_resumes_its_exact_step(tmp_path, one_thread, precision):
+    """A checkpoint of an FSDP group (the model saved by rank 0, the optimizer state and bf16's fp32 masters
+    gathered in full) resumes into a new group whose next step is the uninterrupted group's."""
+    (tmp_path / "steady").mkdir()
+    (tmp_path / "resumed").mkdir()
+    steady = group(tmp_path / "steady", sharding="fsdp", precision=precision)
+    try:
+        steady.step(batch(5, seed=0))
+        state = steady.state_dict()
+        steady.save_model(tmp_path / "model")
+        expected = steady.step(batch(6, seed=1))
+        expected_weights = {name: tensor.clone() for name, tensor in steady.weights().items()}
+    finally:
+        steady.close()
+    assert state["sharding"] == "fsdp" and state["version"] == 1
+    assert ("master_weights" in state) == (precision == "bf16")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert type(saved).__name__ == "Qwen2ForCausalLM"
+    assert saved.config.architectures == ["Qwen2ForCausalLM"]
+    assert saved.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    resumed = group(tmp_path / "resumed", sharding="fsdp", precision=precision, net=saved.float())
+    try:
+        resumed.load_state_dict(state)
+        got = resumed.step(batch(6, seed=1))
+        assert resumed.version == 2
+        assert got["loss/policy"] == pytest.approx(expected["loss/policy"], rel=1e-6)
+        for name, tensor in expected_weights.items():
+            torch.testing.assert_close(resumed.weights()[name], tensor, rtol=0, atol=0)
+    finally:
+        resumed.close()
+
+
+def test_a_checkpoint_resumes_only_with_the_sharding_that_wrote_it():
+    state = trainer(model()).state_dict()
+    with pytest.raises(ValueError, match="written with sharding fsdp but this trainer is replicate"):
+        trainer(model()).load_state_dict({**state, "sharding": "fsdp"})
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("trainer.lora={r: 4}", "does not shard LoRA adapters"),
+    ("precision.trainer=fp8", "not precision.trainer=fp8"),
+    ("precision.mode=unified", "not precision.trainer=bf16 mode=unified")])
+def test_the_config_refuses_what_fsdp_cannot_shard_naming_the_fields(override, named):
+    overrides = ["trainer.sharding=fsdp", "trainer.world_size=2", override]
+    if "unified" in override:
+        overrides += ["precision.trainer=bf16", "precision.rollout=bf16"]
+    with pytest.raises(ValueError, match=named):
+        load_config(None, overrides)

@@ -1,0 +1,88 @@
+"""FSDP2 sharding of the data-parallel trainer (trainer.sharding=fsdp): each rank holds 1/W of the weights,
+gradients and AdamW state, instead of a full replica.
+
+`torch.distributed.fsdp.fully_shard` is applied to every transformer block (the classes a Hugging Face model
+names in `_no_split_modules`) and then to the root, so a forward gathers one block's weights at a time and a
+backward reduce-scatters each block's gradients as soon as they are complete. The rest of the data-parallel
+contract (trainer/distributed.py) is unchanged: every rank normalizes the whole batch and each microbatch's
+loss is already divided by the global B and T, so the reduction must SUM the ranks' gradients; FSDP divides
+by the world size unless told otherwise (`set_gradient_divide_factor(1)`).
+
+Collectives: every forward and backward of a sharded model is one, so every rank must run the same number of
+microbatches (`Trainer.step` pads a rank that has fewer with zero-loss passes), and reading the full weights,
+saving the model or the optimizer state is a collective too: every rank calls it, rank 0 gets the full
+tensors (on the CPU), the others an empty dict.
+
+bf16 (precision.trainer=bf16): the sharded parameters stay fp32 and are the optimizer's masters; FSDP casts
+each gathered block to bf16 for compute (`MixedPrecisionPolicy(param_dtype=bf16)`, round to nearest even,
+as the unsharded trainer's master copy does) and reduces gradients in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+SHARDINGS = ("replicate", "fsdp")
+
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""Full tensors on rank 0's CPU, nothing on the others (no rank holds two full copies on its device)."""
+_SCATTER = StateDictOptions(full_state_dict=True)
+"""Every rank passes the same full state; each keeps its shard."""
+
+
+def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
+    """Shard `model` in place over the default process group; returns the number of blocks sharded apart
+    from the root. The model must be fp32 and on its device."""
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                                  reduce_dtype=torch.float32)
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    for block in blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # the losses are globally normalized: sum, do not average
+            # a plain SUM reduce-scatter: with a custom factor FSDP would ask for PREMUL_SUM, which gloo lacks
+            module.set_force_sum_reduction_for_comms(True)
+    return len(blocks)
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the model's full state dict on rank 0 (CPU), {} on the other ranks."""
+    return get_model_state_dict(model, options=_GATHER)
+
+
+def load_full_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Collective: every rank gives the same full state dict and keeps its shard of it."""
+    set_model_state_dict(model, dict(state), options=_SCATTER)
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: the optimizer's state, keyed by parameter name, full on rank 0, {} on the others."""
+    return get_optimizer_state_dict(model, optimizer, options=_GATHER)
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              state: Mapping[str, Any]) -> None:
+    """Collective: every rank gives the same full optimizer state (full_optimizer_state's) and keeps its shard."""
+    set_optimizer_state_dict(model, optimizer, dict(state), options=_SCATTER)
+
+
+def total_norm(norm: torch.Tensor) -> torch.Tensor:
+    """clip_grad_norm_'s result as a plain tensor: over sharded gradients it is a DTensor (already reduced
+    over the ranks)."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
