@@ -8,9 +8,11 @@ this machine's CPUs) built by the run's own factory (run/learner.py) from one ti
 `--steps` optimizer steps on the same synthetic learner batches (rows of random tokens, half rewarded, the
 behavior log-probs the initial model's own so the trust region keeps every row). Per sharding:
     peak RSS MB      the largest peak resident memory (VmHWM) of any rank process: weights, gradients, AdamW
-                     state, activations, and the interpreter with torch (~300 MB of it is that base)
-    state MB         what the model's weights, their gradients and AdamW's two moments take in fp32 on one
-                     replica (16 bytes a parameter), and that over world_size for a shard
+                     state, activations, the interpreter with torch, and rank 0's map of the published weights
+    anon MB          the largest private memory (RssAnon) of any rank after the steps: what the rank itself
+                     allocated and still holds (freed memory the allocator keeps counts too)
+    state MB         computed, not measured: what the model's weights, their gradients and AdamW's two moments
+                     take in fp32 on one replica (16 bytes a parameter), and that over world_size for a shard
     step s           the median time of a step (generation excluded: the batch is given)
     max |Δw|         the largest difference of any weight from the replicated group's after the last step
                      (they compute the same step: FSDP sums the ranks' gradients as the all-reduce does)
@@ -48,6 +50,7 @@ class ShardingRun:
     world_size: int
     parameters: int
     peak_rss_mb: float
+    anon_mb: float
     state_mb: float
     step_seconds: float
     max_weight_gap: float
@@ -72,9 +75,10 @@ def synthetic_batch(model: torch.nn.Module, rows: int, length: int, vocab: int, 
     return batch
 
 
-def peak_rss_mb(pid: int) -> float:
+def memory_mb(pid: int, field: str) -> float:
+    """A field of /proc/<pid>/status (VmHWM, RssAnon, ...) in MB."""
     status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+    return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1)) / 1024
 
 
 def run_group(sharding: str, args: argparse.Namespace, batches: list[list[Trajectory]],
@@ -93,20 +97,22 @@ def run_group(sharding: str, args: argparse.Namespace, batches: list[list[Trajec
             group.step(batch)
             seconds.append(time.perf_counter() - started)
         weights = {name: tensor.clone() for name, tensor in group.weights().items()}
-        rss = max(peak_rss_mb(rank._proc.pid) for rank in group.ranks)
+        rss = max(memory_mb(rank._proc.pid, "VmHWM") for rank in group.ranks)
+        anon = max(memory_mb(rank._proc.pid, "RssAnon") for rank in group.ranks)
     finally:
         group.close()
     parameters = sum(p.numel() for p in model.parameters())
     state_mb = 16 * parameters / 2**20 / (args.world_size if sharding == "fsdp" else 1)
-    return ShardingRun(sharding, args.world_size, parameters, rss, state_mb, statistics.median(seconds), 0.0), weights
+    run = ShardingRun(sharding, args.world_size, parameters, rss, anon, state_mb, statistics.median(seconds), 0.0)
+    return run, weights
 
 
 def table(runs: list[ShardingRun]) -> str:
-    lines = ["| sharding | ranks | parameters | peak RSS MB (max rank) | state MB / rank | step s (median) | "
-             "max abs weight gap vs replicate |", "|---|---|---|---|---|---|---|"]
+    lines = ["| sharding | ranks | parameters | peak RSS MB (max rank) | anon MB after (max rank) | state MB / rank "
+             "(computed) | step s (median) | max abs weight gap vs replicate |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r.sharding} | {r.world_size} | {r.parameters / 1e6:.1f}M | {r.peak_rss_mb:.0f} | "
-                     f"{r.state_mb:.0f} | {r.step_seconds:.2f} | {r.max_weight_gap:.2e} |")
+                     f"{r.anon_mb:.0f} | {r.state_mb:.0f} | {r.step_seconds:.2f} | {r.max_weight_gap:.2e} |")
     return "\n".join(lines)
 
 
@@ -118,8 +124,8 @@ def plot(runs: list[ShardingRun], path: Path) -> None:
 
     labels = [r.sharding for r in runs]
     figure, axes = plt.subplots(1, 2, figsize=(8, 3.5))
-    axes[0].bar(labels, [r.peak_rss_mb for r in runs], color="tab:blue")
-    axes[0].set_title("peak RSS of a rank (MB)")
+    axes[0].bar(labels, [r.anon_mb for r in runs], color="tab:blue")
+    axes[0].set_title("private memory of a rank after the steps (MB)")
     axes[1].bar(labels, [r.step_seconds for r in runs], color="tab:orange")
     axes[1].set_title("step time (s, median)")
     figure.tight_layout()
