@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from flashreinforce.buffer import Ledger
 from flashreinforce.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_states
+from run_ledger import final_ledger
 
 pytestmark = pytest.mark.slow  # 2-3 whole `flashreinforce train` subprocesses a test, ~10-19 s each on 2 cores
 # (most of a run is the interpreter importing torch and transformers, ~4 s, which no smaller config removes)
@@ -63,20 +63,12 @@ def _trainer_children(parent_pid: int) -> list[int]:
     return found
 
 
-def _final_ledger(run_dir: Path) -> Ledger:
-    _, controller_state, _ = load_states(latest_checkpoint(run_dir / "checkpoints"))
-    ledger = Ledger()
-    ledger.load_state_dict(controller_state["scheduler"]["ledger"])
-    ledger.check()
-    return ledger
-
-
 def _weights(run_dir: Path) -> dict:
     return load_file(latest_checkpoint(run_dir / "checkpoints") / "model" / "model.safetensors")
 
 
 def _assert_complete(run_dir: Path) -> None:
-    ledger = _final_ledger(run_dir)
+    ledger = final_ledger(run_dir)
     trained = ledger.trained()
     assert len(trained) == STEPS * BATCH, ledger.summary()
     per_step = sorted(trained.values())

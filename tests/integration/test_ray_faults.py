@@ -11,12 +11,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from flashreinforce.buffer import Ledger  # noqa: E402
 from flashreinforce.config import config_from_tree, load_config  # noqa: E402
 from flashreinforce.run import run_training  # noqa: E402
 from flashreinforce.run.directory import read_run_config  # noqa: E402
-from flashreinforce.trainer.checkpoint import latest_checkpoint, load_states  # noqa: E402
 from flashreinforce.trainer.group import TrainerRankError  # noqa: E402
+from run_ledger import final_ledger  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 """Whole runs, ~30-60 s each on 2 cores, on one Ray for the module (tests/conftest.py): the runs find it and leave it
@@ -44,17 +43,9 @@ def _kill_when(run_dir: Path, step: int, suffix: str, no_restart: bool) -> threa
     return thread
 
 
-def _final_ledger(run_dir: Path) -> Ledger:
-    _, controller_state, _ = load_states(latest_checkpoint(run_dir / "checkpoints"))
-    ledger = Ledger()
-    ledger.load_state_dict(controller_state["scheduler"]["ledger"])
-    ledger.check()
-    return ledger
-
-
 def _assert_exactly_once(run_dir: Path, steps: int) -> dict:
     """Every step trained BATCH rollouts, each once; the summary says the same."""
-    ledger = _final_ledger(run_dir)
+    ledger = final_ledger(run_dir)
     trained = ledger.trained()
     assert sorted(trained.values()) == sorted(s for s in range(steps) for _ in range(BATCH)), ledger.summary()
     summary = json.loads((run_dir / "summary.json").read_text())
