@@ -390,7 +390,8 @@ class TrainerConfig(_Section):
     """How the ranks hold the model: replicate (each a full copy of weights, gradients and AdamW state) or fsdp
     (FSDP2: each holds 1/world_size of them, gathered block by block for compute; trainer/sharding.py). The
     step is the same either way. fsdp takes effect with world_size > 1, in fp32 or bf16 (precision.trainer,
-    mode separate), without LoRA; a checkpoint resumes only with the sharding it was written by."""
+    mode separate), with or without LoRA (its frozen base is sharded too); a checkpoint resumes only with the
+    sharding it was written by."""
     steps: int = Field(120, ge=0)
     """Optimizer steps of RL (one per learner batch)."""
     lr: float = Field(3e-4, gt=0)
@@ -539,9 +540,6 @@ class RunConfig(_Section):
     def _shardable(self) -> RunConfig:
         if self.trainer.sharding != "fsdp":
             return self
-        if self.trainer.lora is not None:
-            raise ValueError("trainer.sharding=fsdp does not shard LoRA adapters (they are small: replicate them); "
-                             "set trainer.sharding=replicate or drop trainer.lora")
         precision = self.precision
         if precision.trainer == "fp8" or (precision.mode == "unified" and precision.trainer != "fp32"):
             raise ValueError(f"trainer.sharding=fsdp computes in fp32 or bf16 (separate) only, not "

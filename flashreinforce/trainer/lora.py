@@ -233,11 +233,17 @@ class LoraAdapter:
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, param) for name, param in self.model.named_parameters() if param.requires_grad]
 
+    @property
+    def base(self) -> torch.nn.Module:
+        """The base model with the adapter layers in it (peft swaps them in place): a sharded trainer's FSDP root."""
+        return self.model.get_base_model()
+
     @torch.no_grad()
-    def merged_state(self) -> dict[str, torch.Tensor]:
+    def merged_state(self, live: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The full model's state dict under the base names: adapted weights merged into new tensors (in the
-        base weight's dtype, so the dtypes are a full fine-tune's), every other tensor the live one."""
-        live = self.model.get_base_model().state_dict()
+        base weight's dtype, so the dtypes are a full fine-tune's), every other tensor the live one. `live` is
+        the base model's state dict (its own by default; a sharded trainer's gathered in full)."""
+        live = self.base.state_dict() if live is None else live
         state = {}
         for name in self._names:
             module, _, leaf = name.rpartition(".")
@@ -245,27 +251,60 @@ class LoraAdapter:
             if layer is None:
                 state[name] = live[name]
             elif leaf == "weight":
-                weight = layer.base_layer.weight
-                state[name] = (weight.float() + layer.get_delta_weight(_ADAPTER).float()).to(weight.dtype)
+                weight = live[f"{module}.base_layer.weight"]
+                state[name] = (weight.float() + self._delta(module, live)).to(weight.dtype)
             else:
                 state[name] = live[f"{module}.base_layer.{leaf}"]
         return state
 
-    def save(self, directory: Path) -> None:
-        """The merged model in Hugging Face format into `directory`, the adapter alone into `directory/adapter`."""
+    def _delta(self, module: str, live: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """peft's get_delta_weight of a Linear layer, scale * B @ A in fp32, from the given tensors (not the
+        layer's own: a sharded layer holds only its shard of them)."""
+        layer = self._layers[module]
+        a, b = (live[f"{module}.lora_{side}.{_ADAPTER}.weight"].float() for side in "AB")
+        delta = (b @ a) * layer.scaling[_ADAPTER]
+        return delta.T if layer.fan_in_fan_out else delta
+
+    def save(self, directory: Path, live: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The merged model in Hugging Face format into `directory`, the adapter alone into `directory/adapter`
+        (from `live` as in merged_state)."""
         directory = Path(directory)
         # save_pretrained empties the dict it is given while writing shards: a fresh one each time.
-        self.model.get_base_model().save_pretrained(directory, state_dict=self.merged_state(),
-                                                    safe_serialization=True)
-        self.model.save_pretrained(directory / "adapter", safe_serialization=True)
+        self.base.save_pretrained(directory, state_dict=self.merged_state(live), safe_serialization=True)
+        adapter = None if live is None else self._adapter(live)
+        self.model.save_pretrained(directory / "adapter", safe_serialization=True, state_dict=adapter)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, live: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """Settings, adapter tensors (copies: they change at the next step) and the frozen base weights of
-        the adapted layers (references: they never change)."""
-        base = {f"{name}.weight": layer.base_layer.weight.detach() for name, layer in self._layers.items()}
-        adapter = {name: param.detach().clone() for name, param in self.trainable}
+        the adapted layers (references: they never change); from `live` as in merged_state."""
+        if live is None:
+            base = {f"{name}.weight": layer.base_layer.weight.detach() for name, layer in self._layers.items()}
+            adapter = {name: param.detach().clone() for name, param in self.trainable}
+        else:
+            base = {f"{name}.weight": live[f"{name}.base_layer.weight"] for name in self._layers}
+            adapter = self._adapter(live)
         return {"settings": {**self.settings.fingerprint(), "targets": list(self.targets)},
                 "adapter": adapter, "base": base}
+
+    def _adapter(self, live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The adapter tensors under the wrapped model's names (peft's, as in `trainable`) from a base state dict."""
+        return {name: live[base_name] for name, base_name in self.base_names().items()}
+
+    def base_names(self) -> dict[str, str]:
+        """Each trainable parameter's name in the wrapped model -> its name in the base model."""
+        in_base = {id(param): name for name, param in self.base.named_parameters()}
+        return {name: in_base[id(param)] for name, param in self.trainable}
+
+    def sharded_state(self, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """A state_dict()'s adapter and base tensors as a partial state dict of the base model, for a sharded
+        trainer to scatter (checked as load_state_dict checks them)."""
+        self._check_settings(state["settings"])
+        names = self.base_names()
+        if names.keys() != state["adapter"].keys() or set(state["base"]) != {f"{n}.weight" for n in self._layers}:
+            raise ValueError("the checkpoint's LoRA tensors do not fit this model; resume with the model and "
+                             "trainer.lora settings the checkpoint was written with")
+        base = {f"{name}.base_layer.weight": state["base"][f"{name}.weight"] for name in self._layers}
+        return {**base, **{names[name]: tensor for name, tensor in state["adapter"].items()}}
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -16,6 +16,10 @@ tensors (on the CPU), the others an empty dict.
 bf16 (precision.trainer=bf16): the sharded parameters stay fp32 and are the optimizer's masters; FSDP casts
 each gathered block to bf16 for compute (`MixedPrecisionPolicy(param_dtype=bf16)`, round to nearest even,
 as the unsharded trainer's master copy does) and reduces gradients in fp32.
+
+LoRA (trainer/lora.py): the base model, with the adapter layers peft put in it, is the root; its frozen
+weights are formatted first (bf16 or fp32) and the adapters are fp32, and FSDP casts nothing: each computes in
+its own dtype, as unsharded. Only the adapters have gradients (all fp32, as a reduce-scatter needs).
 """
 
 from __future__ import annotations
@@ -40,14 +44,17 @@ _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Full tensors on rank 0's CPU, nothing on the others (no rank holds two full copies on its device)."""
 _SCATTER = StateDictOptions(full_state_dict=True)
 """Every rank passes the same full state; each keeps its shard."""
+_SCATTER_SOME = StateDictOptions(full_state_dict=True, strict=False)
 
 
-def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
+def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None) -> int:
     """Shard `model` in place over the default process group; returns the number of blocks sharded apart
-    from the root. The model must be fp32 and on its device."""
+    from the root. The model must be on its device. `compute_dtype`: what FSDP casts the gathered parameters
+    to (the model must then be fp32); None computes in each parameter's own dtype (a LoRA model's formatted
+    frozen base and fp32 adapters, whose gradients, the adapters' only, are fp32)."""
     block_names = set(getattr(model, "_no_split_modules", None) or ())
-    policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-                                  reduce_dtype=torch.float32)
+    cast = compute_dtype not in (None, torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype if cast else None, reduce_dtype=torch.float32)
     blocks = [module for module in model.modules() if type(module).__name__ in block_names]
     for block in blocks:
         fully_shard(block, mp_policy=policy)
@@ -65,9 +72,10 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=_GATHER)
 
 
-def load_full_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Collective: every rank gives the same full state dict and keeps its shard of it."""
-    set_model_state_dict(model, dict(state), options=_SCATTER)
+def load_full_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], partial: bool = False) -> None:
+    """Collective: every rank gives the same full state dict and keeps its shard of it; `partial`: `state`
+    holds some of the model's tensors, the others are kept."""
+    set_model_state_dict(model, dict(state), options=_SCATTER_SOME if partial else _SCATTER)
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

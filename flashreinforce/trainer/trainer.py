@@ -107,10 +107,13 @@ class Trainer:
         self.compute_dtype = (numerics or Numerics()).compute_dtype
         model.to(self.device)  # before the adapters and the masters, which are built on the model's device
         if self.sharded:
-            _check_shardable(lora, numerics)
+            _check_shardable(numerics)
+        if self.sharded and lora is None:
             shard_model(model.float(), self.compute_dtype)
             numerics = None  # the sharded fp32 parameters are the masters; FSDP casts them for compute
         self.lora: LoraAdapter | None = attach_lora(model, lora, numerics) if lora is not None else None
+        if self.sharded and self.lora is not None:  # the formatted frozen base and fp32 adapters, sharded as they are
+            shard_model(self.lora.base, compute_dtype=None)
         self.model = self.lora.model if self.lora is not None else model
         self.spec = LOSSES[loss]
         self.advantage_options, loss_options = self.spec.split_options(loss_options, loss)
@@ -257,6 +260,9 @@ class Trainer:
         """The model's weights (what the engine loads at a push); with LoRA the merged ones, under the base
         model's names and shapes. Sharded: a collective, the full weights in the trainer's format on rank 0 and {}
         on the other ranks."""
+        if self.sharded and self.lora is not None:
+            full = full_weights(self.lora.base)
+            return self.lora.merged_state(full) if full else {}
         if self.sharded:
             return {name: tensor.to(self.compute_dtype) if tensor.is_floating_point() else tensor
                     for name, tensor in full_weights(self.model).items()}
@@ -267,6 +273,11 @@ class Trainer:
     def save_model(self, directory: Path) -> None:
         """The model in Hugging Face format (safetensors); with LoRA the merged model, and the adapter alone
         (peft format) in `directory/adapter`. Sharded: a collective; rank 0 writes."""
+        if self.sharded and self.lora is not None:
+            full = full_weights(self.lora.base)
+            if full:
+                self.lora.save(directory, full)
+            return
         if self.sharded:
             weights = self.weights()
             if self.shard.rank == 0:
@@ -299,11 +310,26 @@ class Trainer:
     def _sharded_state(self) -> dict[str, Any]:
         """The optimizer's state by parameter name (not by index, as an unsharded one's), and in bf16 the fp32
         masters, gathered in full: a resume may use another world size."""
-        state = {"sharding": "fsdp", "optimizer": full_optimizer_state(self.model, self.optimizer),
+        root = self.model if self.lora is None else self.lora.base
+        state = {"sharding": "fsdp", "optimizer": full_optimizer_state(root, self.optimizer),
                  "schedule": self.schedule.state_dict(), "version": self.version}
-        if self.compute_dtype != torch.float32:
-            state["master_weights"] = full_weights(self.model)
+        if self.lora is not None:  # the adapters are stepped as they are: no masters
+            full = full_weights(root)
+            state["lora"] = self.lora.state_dict(full) if full else {}
+        elif self.compute_dtype != torch.float32:
+            state["master_weights"] = full_weights(root)
         return state if self.shard.rank == 0 else {}
+
+    def _load_sharded_state(self, state: Mapping[str, Any]) -> None:
+        """Collective: every rank gives the same full state (rank 0's `_sharded_state`) and keeps its shards."""
+        root = self.model if self.lora is None else self.lora.base
+        if self.lora is not None:  # the model was built from the merged weights: its adapted layers' are not W
+            load_full_weights(root, self.lora.sharded_state(state["lora"]), partial=True)
+        elif "master_weights" in state:
+            load_full_weights(root, state["master_weights"])
+        load_full_optimizer_state(root, self.optimizer, state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.version = int(state["version"])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         written, own = state.get("sharding", "replicate"), "fsdp" if self.sharded else "replicate"
@@ -311,17 +337,13 @@ class Trainer:
             raise ValueError(f"trainer.sharding: the checkpoint was written with sharding {written} but this trainer "
                              f"is {own} (fsdp takes effect with trainer.world_size > 1); resume with the checkpoint's "
                              "trainer.sharding and a world size that gives it")
-        if self.sharded:
-            if "master_weights" in state:
-                load_full_weights(self.model, state["master_weights"])
-            load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
-            self.schedule.load_state_dict(state["schedule"])
-            self.version = int(state["version"])
-            return
         if ("lora" in state) != (self.lora is not None):
             saved, own = ("LoRA", "full fine-tuning") if "lora" in state else ("full fine-tuning", "LoRA")
             raise ValueError(f"trainer.lora: the checkpoint was written by {saved} but this run does {own}; "
                              "resume with the checkpoint's trainer.lora setting")
+        if self.sharded:
+            self._load_sharded_state(state)
+            return
         if self.lora is not None:
             self.lora.load_state_dict(state["lora"])
         if "master_weights" in state:  # else (fp32, or saved before masters were) they stay the model's weights
@@ -331,10 +353,7 @@ class Trainer:
         self.version = int(state["version"])
 
 
-def _check_shardable(lora: LoraSettings | None, numerics: Numerics | None) -> None:
-    if lora is not None:
-        raise ValueError("trainer.sharding=fsdp does not shard LoRA adapters (they are small: replicate them); "
-                         "set trainer.sharding=replicate or drop trainer.lora")
+def _check_shardable(numerics: Numerics | None) -> None:
     if numerics is not None and (numerics.precision == "fp8" or (numerics.unified and numerics.formats_weights)):
         raise ValueError(f"trainer.sharding=fsdp computes in fp32 or bf16 only, not precision={numerics.precision}"
                          f"{' unified' if numerics.unified else ''}; set precision.trainer to fp32 or bf16 "

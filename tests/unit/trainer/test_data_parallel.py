@@ -1,5 +1,6 @@
 """Data-parallel ranks (trainer/distributed.py, trainer/group.py): 2 gloo ranks give the one-process step."""
 
+import functools
 import math
 import os
 import signal
@@ -16,6 +17,7 @@ from flashreinforce.models.logprobs import token_logprobs
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.trainer.distributed import RankGroup, Shard, join_group
 from flashreinforce.trainer.group import TrainerGroup, TrainerRankError
+from flashreinforce.trainer.lora import LoraSettings
 from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
 from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
 
@@ -27,8 +29,9 @@ def model(num_experts: int = 0) -> torch.nn.Module:
 
 
 def trainer(net: torch.nn.Module, grads_to: str | None = None, rank: int = 0, sharding: str = "replicate",
-            precision: str = "fp32") -> Trainer:
-    """fp32, no clipping (so the recorded gradient is the raw sum), two-row microbatches, the entropy filter on.
+            precision: str = "fp32", lora: bool = False) -> Trainer:
+    """fp32, no clipping (so the recorded gradient is the raw sum), two-row microbatches, the entropy filter on;
+    `lora`: rank-4 adapters on every attention and MLP projection (B starts at 0, so A's first gradient is 0).
     With `grads_to`, every optimizer step first saves the gradient it steps with to grads_to/rank<r>.pt (a
     sharded rank's gathered in full), and after it the weights to grads_to/weights<r>.pt (a sharded group's
     on rank 0 only)."""
@@ -37,7 +40,7 @@ def trainer(net: torch.nn.Module, grads_to: str | None = None, rank: int = 0, sh
         optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, total_steps=10,
                                     min_lr_ratio=1.0, grad_clip=math.inf),
         microbatch_size=2, pad_token_id=0, temperature=1.0, max_new_tokens=16, sharding=sharding,
-        numerics=Numerics(precision))
+        numerics=Numerics(precision), lora=LoraSettings(r=4, alpha=8.0, seed=3) if lora else None)
     if grads_to is not None:
         path = os.path.join(grads_to, f"rank{rank}.pt")
         built.optimizer.register_step_pre_hook(
@@ -51,11 +54,12 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def rank_trainer(net: torch.nn.Module, grads_to: str, sharding: str, precision: str, group: RankGroup) -> Trainer:
+def rank_trainer(net: torch.nn.Module, grads_to: str, sharding: str, precision: str, group: RankGroup,
+                 lora: bool = False) -> Trainer:
     """The factory each rank's process runs (module level: importable there by name)."""
     torch.set_num_threads(1)
     join_group(group)
-    return trainer(net, grads_to, group.rank, sharding, precision)
+    return trainer(net, grads_to, group.rank, sharding, precision, lora)
 
 
 def failing_rank_trainer(net: torch.nn.Module, grads_to: str, sharding: str, precision: str,
@@ -97,9 +101,10 @@ def one_thread():
 
 
 def group(tmp_path, world_size: int = 2, sharding: str = "replicate", precision: str = "fp32",
-          net: torch.nn.Module | None = None) -> TrainerGroup:
+          net: torch.nn.Module | None = None, lora: bool = False) -> TrainerGroup:
     net = net or model()
-    return TrainerGroup(rank_trainer, (net, str(tmp_path), sharding, precision), world_size=world_size,
+    factory = functools.partial(rank_trainer, lora=lora)
+    return TrainerGroup(factory, (net, str(tmp_path), sharding, precision), world_size=world_size,
                         backend="gloo", template=net.state_dict(), threads=1, sharded=sharding == "fsdp")
 
 
@@ -181,14 +186,40 @@ def test_a_rank_that_fails_to_start_fails_the_group_at_once_naming_it(tmp_path, 
     assert time.monotonic() - started < 120
 
 
+def test_sharded_lora_ranks_give_the_one_process_adapter_gradient_and_merged_weights(tmp_path, one_thread):
+    """FSDP over a LoRA model (its frozen base sharded too): the adapters' gradient is the one-process one,
+    and the merged weights the ranks publish are the unsharded LoRA trainer's, under the base names."""
+    (tmp_path / "single").mkdir()
+    single = trainer(model(), str(tmp_path / "single"), lora=True)
+    expected = single.step(batch())
+    reference = torch.load(tmp_path / "single" / "rank0.pt")
+    assert len(reference) == 2 * 2 * 7  # A and B of 7 projections in each of 2 layers: only adapters train
+    assert expected["optim/grad_norm"] > 1e-3
+    ranks = group(tmp_path, sharding="fsdp", lora=True)
+    try:
+        got = ranks.step(batch())
+        for rank in range(2):
+            for mine, theirs in zip(torch.load(tmp_path / f"rank{rank}.pt"), reference, strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+        assert got["loss/policy"] == pytest.approx(expected["loss/policy"], rel=1e-5)
+        merged, own = ranks.weights(), single.weights()
+        assert merged.keys() == own.keys() == model().state_dict().keys()
+        for name, tensor in own.items():
+            torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-5)
+        assert any(not torch.equal(own[n], t) for n, t in model().state_dict().items())  # the step moved them
+    finally:
+        ranks.close()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_sharded_group_saves_a_loadable_model_and_resumes_its_exact_step(tmp_path, one_thread, precision):
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft reads a deprecated attribute
+@pytest.mark.parametrize(("precision", "lora"), [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)])
+def test_a_sharded_group_saves_a_loadable_model_and_resumes_its_exact_step(tmp_path, one_thread, precision, lora):
     """A checkpoint of an FSDP group (the model saved by rank 0, the optimizer state and bf16's fp32 masters
     gathered in full) resumes into a new group whose next step is the uninterrupted group's."""
     (tmp_path / "steady").mkdir()
     (tmp_path / "resumed").mkdir()
-    steady = group(tmp_path / "steady", sharding="fsdp", precision=precision)
+    steady = group(tmp_path / "steady", sharding="fsdp", precision=precision, lora=lora)
     try:
         steady.step(batch(5, seed=0))
         state = steady.state_dict()
@@ -198,12 +229,17 @@ def test_a_sharded_group_saves_a_loadable_model_and_resumes_its_exact_step(tmp_p
     finally:
         steady.close()
     assert state["sharding"] == "fsdp" and state["version"] == 1
-    assert ("master_weights" in state) == (precision == "bf16")
+    assert ("master_weights" in state) == (precision == "bf16" and not lora)  # adapters step as they are
+    assert ("lora" in state) == lora
+    if lora:  # the adapter alone, in peft's format, loads onto the base model
+        peft = pytest.importorskip("peft")
+        adapted = peft.PeftModel.from_pretrained(model(), tmp_path / "model" / "adapter")
+        assert sum("lora_B" in n and p.abs().sum() > 0 for n, p in adapted.named_parameters()) == 14
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert type(saved).__name__ == "Qwen2ForCausalLM"
     assert saved.config.architectures == ["Qwen2ForCausalLM"]
     assert saved.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
-    resumed = group(tmp_path / "resumed", sharding="fsdp", precision=precision, net=saved.float())
+    resumed = group(tmp_path / "resumed", sharding="fsdp", precision=precision, net=saved.float(), lora=lora)
     try:
         resumed.load_state_dict(state)
         got = resumed.step(batch(6, seed=1))
@@ -222,7 +258,6 @@ def test_a_checkpoint_resumes_only_with_the_sharding_that_wrote_it():
 
 
 @pytest.mark.parametrize(("override", "named"), [
-    ("trainer.lora={r: 4}", "does not shard LoRA adapters"),
     ("precision.trainer=fp8", "not precision.trainer=fp8"),
     ("precision.mode=unified", "not precision.trainer=bf16 mode=unified")])
 def test_the_config_refuses_what_fsdp_cannot_shard_naming_the_fields(override, named):

@@ -123,6 +123,9 @@ def test_merged_weights_compute_what_the_adapter_model_computes():
                            plain.state_dict()["model.layers.0.self_attn.q_proj.weight"])
     plain.load_state_dict(merged, strict=True)
     torch.testing.assert_close(logits(plain, IDS), logits(trainer.model, IDS), rtol=0, atol=1e-5)
+    for name, layer in trainer.lora._layers.items():  # the merge from tensors is peft's own delta, bit for bit
+        expected = layer.base_layer.weight + layer.get_delta_weight("default")
+        assert torch.equal(merged[f"{name}.weight"], expected), name
 
 
 @needs_peft
