@@ -2,6 +2,7 @@
 
     python benchmarks/sharding.py                                   # a 2-rank group, ~27M parameters, 3 steps
     python benchmarks/sharding.py --hidden 1024 --layers 12 --world-size 2 --out bench-out/sharding-big
+    python benchmarks/sharding.py --lora 16                         # LoRA adapters (peft) on a frozen base
 
 For each of trainer.sharding=replicate and fsdp: `--world-size` trainer rank processes (trainer/group.py, gloo on
 this machine's CPUs) built by the run's own factory (run/learner.py) from one tiny Qwen2-style model, then
@@ -12,7 +13,8 @@ behavior log-probs the initial model's own so the trust region keeps every row).
     anon MB          the largest private memory (RssAnon) of any rank after the steps: what the rank itself
                      allocated and still holds (freed memory the allocator keeps counts too)
     state MB         computed, not measured: what the model's weights, their gradients and AdamW's two moments
-                     take in fp32 on one replica (16 bytes a parameter), and that over world_size for a shard
+                     take in fp32 on one replica (16 bytes a parameter), and that over world_size for a shard;
+                     with --lora the frozen base takes 4 bytes a parameter and only the adapters 16
     step s           the median time of a step (generation excluded: the batch is given)
     max |Δw|         the largest difference of any weight from the replicated group's after the last step
                      (they compute the same step: FSDP sums the ranks' gradients as the all-reduce does)
@@ -39,6 +41,7 @@ from flashreinforce.models import build_model
 from flashreinforce.models.logprobs import token_logprobs
 from flashreinforce.run.learner import build_rank_trainer
 from flashreinforce.trainer.group import TrainerGroup
+from flashreinforce.trainer.lora import DEFAULT_TARGETS, linear_layers, resolve_targets
 from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
 
 PROMPT_TOKENS = 16
@@ -48,6 +51,7 @@ PROMPT_TOKENS = 16
 class ShardingRun:
     sharding: str
     world_size: int
+    lora_rank: int
     parameters: int
     peak_rss_mb: float
     anon_mb: float
@@ -85,7 +89,7 @@ def run_group(sharding: str, args: argparse.Namespace, batches: list[list[Trajec
               model: torch.nn.Module) -> tuple[ShardingRun, dict[str, torch.Tensor]]:
     config = load_config(None, [f"trainer.world_size={args.world_size}", f"trainer.sharding={sharding}",
                                 f"trainer.microbatch_size={args.microbatch}", f"rollout.max_new_tokens={args.length}",
-                                "trainer.lr=1e-4"])
+                                "trainer.lr=1e-4", *([f"trainer.lora={{r: {args.lora}}}"] if args.lora else [])])
     tokenizer = SimpleNamespace(pad_token_id=0)  # all the trainer reads of a tokenizer
     group = TrainerGroup(build_rank_trainer, (config, model, tokenizer), world_size=args.world_size,
                          backend="gloo", template=model.state_dict(), threads=args.threads,
@@ -102,17 +106,32 @@ def run_group(sharding: str, args: argparse.Namespace, batches: list[list[Trajec
     finally:
         group.close()
     parameters = sum(p.numel() for p in model.parameters())
-    state_mb = 16 * parameters / 2**20 / (args.world_size if sharding == "fsdp" else 1)
-    run = ShardingRun(sharding, args.world_size, parameters, rss, anon, state_mb, statistics.median(seconds), 0.0)
+    state_mb = state_bytes(model, args.lora) / 2**20 / (args.world_size if sharding == "fsdp" else 1)
+    run = ShardingRun(sharding, args.world_size, args.lora, parameters, rss, anon, state_mb,
+                      statistics.median(seconds), 0.0)
     return run, weights
 
 
+def state_bytes(model: torch.nn.Module, lora_rank: int) -> int:
+    """fp32 weights, gradients and AdamW moments of what trains; with LoRA, the frozen base's weights alone and
+    rank * (in + out) adapter parameters on each adapted layer."""
+    parameters = sum(p.numel() for p in model.parameters())
+    if not lora_rank:
+        return 16 * parameters
+    linears = linear_layers(model)
+    adapters = sum(lora_rank * (linears[name].in_features + linears[name].out_features)
+                   for name in resolve_targets(model, DEFAULT_TARGETS))
+    return 4 * parameters + 16 * adapters
+
+
 def table(runs: list[ShardingRun]) -> str:
-    lines = ["| sharding | ranks | parameters | peak RSS MB (max rank) | anon MB after (max rank) | state MB / rank "
-             "(computed) | step s (median) | max abs weight gap vs replicate |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| sharding | LoRA r | ranks | parameters | peak RSS MB (max rank) | anon MB after (max rank) | "
+             "state MB / rank (computed) | step s (median) | max abs weight gap vs replicate |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        lines.append(f"| {r.sharding} | {r.world_size} | {r.parameters / 1e6:.1f}M | {r.peak_rss_mb:.0f} | "
-                     f"{r.anon_mb:.0f} | {r.state_mb:.0f} | {r.step_seconds:.2f} | {r.max_weight_gap:.2e} |")
+        lines.append(f"| {r.sharding} | {r.lora_rank or '-'} | {r.world_size} | {r.parameters / 1e6:.1f}M | "
+                     f"{r.peak_rss_mb:.0f} | {r.anon_mb:.0f} | {r.state_mb:.0f} | {r.step_seconds:.2f} | "
+                     f"{r.max_weight_gap:.2e} |")
     return "\n".join(lines)
 
 
@@ -144,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/sharding"))
     args = parser.parse_args(argv)
     machine = Machine.measure()

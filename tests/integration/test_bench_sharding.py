@@ -12,10 +12,11 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sharding.py"
 
 
-def test_the_sharding_benchmark_measures_both_and_they_take_the_same_steps(tmp_path):
+@pytest.mark.parametrize("lora", [0, 4])
+def test_the_sharding_benchmark_measures_both_and_they_take_the_same_steps(tmp_path, lora):
     out = tmp_path / "bench"
     subprocess.run([sys.executable, str(SCRIPT), "--hidden", "64", "--layers", "2", "--vocab", "256", "--length",
-                    "32", "--steps", "2", "--out", str(out)], check=True, timeout=600)
+                    "32", "--steps", "2", "--lora", str(lora), "--out", str(out)], check=True, timeout=600)
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["sharding"] for r in runs] == ["replicate", "fsdp"]
     replicate, fsdp = runs
@@ -23,4 +24,6 @@ def test_the_sharding_benchmark_measures_both_and_they_take_the_same_steps(tmp_p
     assert all(r["peak_rss_mb"] > r["anon_mb"] > 0 and r["step_seconds"] > 0 for r in runs)
     assert fsdp["max_weight_gap"] < 1e-5  # two optimizer steps of the same gradient, summed in another order
     table = (out / "table.md").read_text()
-    assert "| replicate | 2 |" in table and "| fsdp | 2 |" in table and (out / "sharding.png").stat().st_size > 0
+    shown = str(lora or "-")
+    assert f"| replicate | {shown} | 2 |" in table and f"| fsdp | {shown} | 2 |" in table
+    assert (out / "sharding.png").stat().st_size > 0
