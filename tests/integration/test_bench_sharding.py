@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sharding.py"
 
 
-@pytest.mark.parametrize("lora", [0, 4])
+@pytest.mark.parametrize("lora", [0, pytest.param(4, marks=pytest.mark.long)])  # LoRA: out of CI's 45 minutes
 def test_the_sharding_benchmark_measures_both_and_they_take_the_same_steps(tmp_path, lora):
     out = tmp_path / "bench"
     subprocess.run([sys.executable, str(SCRIPT), "--hidden", "64", "--layers", "2", "--vocab", "256", "--length",

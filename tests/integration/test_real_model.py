@@ -222,7 +222,7 @@ def test_multi_turn_rows_equal_the_template_of_the_whole_conversation(policy, ro
 
 
 @pytest.mark.parametrize("mode", ["separate", "unified"])
-def test_a_bf16_trainer_steps_on_the_real_model_and_unified_agrees_with_its_engine(policy, mode):
+def test_a_bf16_trainer_steps_on_the_real_model_and_unified_agrees_with_its_engine(policy, mode, one_thread):
     """bf16 on both sides (fp32 masters): one optimizer step on engine rollouts; in unified mode the engine's
     behavior log-probs equal the trainer's recompute to float rounding."""
     from flashreinforce.envs.single_turn import to_trajectory
@@ -230,7 +230,6 @@ def test_a_bf16_trainer_steps_on_the_real_model_and_unified_agrees_with_its_engi
     from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
     from flashreinforce.types import Prompt, RolloutKey, Verdict
 
-    torch.set_num_threads(1)
     numerics = Numerics("bf16", unified=mode == "unified")
     tokenizer = policy.tokenizer
     trainer = Trainer(copy.deepcopy(policy.model), loss="flashreinforce", loss_options={},
@@ -241,8 +240,8 @@ def test_a_bf16_trainer_steps_on_the_real_model_and_unified_agrees_with_its_engi
     engine = Engine(copy.deepcopy(policy.model), max_batch_size=4, max_context=128, eos_token_ids=IM_END,
                     pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, numerics=numerics)
     engine.load_weights(trainer.weights(), version=0)
-    for i, messages in enumerate(CONVERSATIONS[:4]):
-        engine.submit(str(i), chat_ids(tokenizer, messages), SamplingParams(max_new_tokens=16, seed=i))
+    for i, messages in enumerate(CONVERSATIONS[:2]):  # bf16 kernels on 2 cores are slow: 2 rows (one rewarded)
+        engine.submit(str(i), chat_ids(tokenizer, messages), SamplingParams(max_new_tokens=8, seed=i))
     finished = []
     while engine.has_work:
         finished += engine.step()

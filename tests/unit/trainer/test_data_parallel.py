@@ -92,14 +92,6 @@ def batch(rows: int = 7, seed: int = 0, num_experts: int = 0) -> list[Trajectory
     return out
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks' setting: same kernels
-    yield
-    torch.set_num_threads(threads)
-
-
 def group(tmp_path, world_size: int = 2, sharding: str = "replicate", precision: str = "fp32",
           net: torch.nn.Module | None = None, lora: bool = False) -> TrainerGroup:
     net = net or model()

@@ -96,14 +96,6 @@ def children():
     shared.close()
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the child's setting: same kernels, same rounding
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_steps_match_an_inline_trainer_and_weights_are_published(children, one_thread, tmp_path):
     inline = tiny_trainer(model())
     remote = children.get(fresh=True)  # unstepped: the same weights and optimizer as `inline`
