@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("ray")
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.ray]  # long: out of CI's 45 minutes (-m long)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "backends.py"
 
