@@ -45,6 +45,7 @@ _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _SCATTER = StateDictOptions(full_state_dict=True)
 """Every rank passes the same full state; each keeps its shard."""
 _SCATTER_SOME = StateDictOptions(full_state_dict=True, strict=False)
+"""As _SCATTER for some of the model's tensors (a LoRA checkpoint's adapters and adapted base weights)."""
 
 
 def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None) -> int:

@@ -309,7 +309,8 @@ class Trainer:
 
     def _sharded_state(self) -> dict[str, Any]:
         """The optimizer's state by parameter name (not by index, as an unsharded one's), and in bf16 the fp32
-        masters, gathered in full: a resume may use another world size."""
+        masters (with LoRA: the adapter and the adapted layers' frozen base instead), gathered in full: a resume
+        may use another world size."""
         root = self.model if self.lora is None else self.lora.base
         state = {"sharding": "fsdp", "optimizer": full_optimizer_state(root, self.optimizer),
                  "schedule": self.schedule.state_dict(), "version": self.version}
