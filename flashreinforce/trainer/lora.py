@@ -300,9 +300,10 @@ class LoraAdapter:
         trainer to scatter (checked as load_state_dict checks them)."""
         self._check_settings(state["settings"])
         names = self.base_names()
-        if names.keys() != state["adapter"].keys() or set(state["base"]) != {f"{n}.weight" for n in self._layers}:
-            raise ValueError("the checkpoint's LoRA tensors do not fit this model; resume with the model and "
-                             "trainer.lora settings the checkpoint was written with")
+        # a sharded parameter (a DTensor) has the full tensor's shape: the same check as an unsharded load's
+        _check_fits(dict(self.trainable), state["adapter"], what="adapter tensor")
+        _check_fits({f"{name}.weight": layer.base_layer.weight for name, layer in self._layers.items()},
+                    state["base"], what="base weight")
         base = {f"{name}.base_layer.weight": state["base"][f"{name}.weight"] for name in self._layers}
         return {**base, **{names[name]: tensor for name, tensor in state["adapter"].items()}}
 
@@ -331,11 +332,15 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
-def _copy_into(own: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor], *, what: str) -> None:
+def _check_fits(own: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor], *, what: str) -> None:
     if own.keys() != saved.keys() or any(own[k].shape != saved[k].shape for k in own):
         odd = sorted(set(own) ^ set(saved)) or [k for k in own if own[k].shape != saved[k].shape]
         raise ValueError(f"the checkpoint's LoRA {what}s do not fit this model (first difference: {odd[0]!r}); "
                          "resume with the model and trainer.lora settings the checkpoint was written with")
+
+
+def _copy_into(own: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor], *, what: str) -> None:
+    _check_fits(own, saved, what=what)
     for name, tensor in saved.items():
         own[name].copy_(tensor)
 
