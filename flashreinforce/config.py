@@ -389,9 +389,9 @@ class TrainerConfig(_Section):
     sharding: Literal["replicate", "fsdp"] = "replicate"
     """How the ranks hold the model: replicate (each a full copy of weights, gradients and AdamW state) or fsdp
     (FSDP2: each holds 1/world_size of them, gathered block by block for compute; trainer/sharding.py). The
-    step is the same either way. fsdp takes effect with world_size > 1, in fp32 or bf16 (precision.trainer,
-    mode separate), with or without LoRA (its frozen base is sharded too); a checkpoint resumes only with the
-    sharding it was written by."""
+    step is the same either way. fsdp takes effect with world_size > 1, in every precision (fp8 and the unified
+    mode shard fp32 masters beside the formatted weights), with or without LoRA (its frozen base is sharded
+    too); a checkpoint resumes only with the sharding it was written by."""
     steps: int = Field(120, ge=0)
     """Optimizer steps of RL (one per learner batch)."""
     lr: float = Field(3e-4, gt=0)
@@ -534,17 +534,6 @@ class RunConfig(_Section):
             raise ValueError("algo.dynamic_sampling=true keeps only groups whose rewards differ, and with "
                              "scheduler.group_size=1 no group can: set scheduler.group_size >= 2 or "
                              "algo.dynamic_sampling=false")
-        return self
-
-    @model_validator(mode="after")
-    def _shardable(self) -> RunConfig:
-        if self.trainer.sharding != "fsdp":
-            return self
-        precision = self.precision
-        if precision.trainer == "fp8" or (precision.mode == "unified" and precision.trainer != "fp32"):
-            raise ValueError(f"trainer.sharding=fsdp computes in fp32 or bf16 (separate) only, not "
-                             f"precision.trainer={precision.trainer} mode={precision.mode}; change precision or set "
-                             "trainer.sharding=replicate")
         return self
 
 

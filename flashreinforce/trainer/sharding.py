@@ -17,6 +17,11 @@ bf16 (precision.trainer=bf16): the sharded parameters stay fp32 and are the opti
 each gathered block to bf16 for compute (`MixedPrecisionPolicy(param_dtype=bf16)`, round to nearest even,
 as the unsharded trainer's master copy does) and reduces gradients in fp32.
 
+fp8, and the unified mode (models/numerics.py): FSDP's cast cannot express these formats (fp8 scales span a
+row, a tile or a whole tensor; unified rounds the weights but computes in fp32), so ShardedMasters keeps them
+as the unsharded trainer's MasterWeights does: the model's shards hold the formatted weights in the compute
+dtype, and an fp32 copy of the model, sharded the same way and never run, holds the masters AdamW steps.
+
 LoRA (trainer/lora.py): the base model, with the adapter layers peft put in it, is the root; its frozen
 weights are formatted first (bf16 or fp32) and the adapters are fp32, and FSDP casts nothing: each computes in
 its own dtype, as unsharded. Only the adapters have gradients (all fp32, as a reduce-scatter needs).
@@ -24,6 +29,7 @@ its own dtype, as unsharded. Only the adapters have gradients (all fp32, as a re
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from flashreinforce.models.numerics import Numerics, format_tensor, fp8_parameter_names
 
 SHARDINGS = ("replicate", "fsdp")
 
@@ -66,6 +74,58 @@ def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None) -> in
             # a plain SUM reduce-scatter: with a custom factor FSDP would ask for PREMUL_SUM, which gloo lacks
             module.set_force_sum_reduction_for_comms(True)
     return len(blocks)
+
+
+def casts_for_compute(numerics: Numerics) -> bool:
+    """Whether FSDP's own cast of the gathered fp32 shards gives this format: fp32, or bf16 computing in bf16
+    (else ShardedMasters formats the shards)."""
+    return numerics.precision == "fp32" or (numerics.precision == "bf16" and not numerics.unified)
+
+
+class ShardedMasters:
+    """MasterWeights (trainer/precision.py) of a sharded model whose format FSDP cannot cast to (fp8, unified).
+
+    Building it formats `model`'s weights into its compute dtype and shards it, and shards an fp32 copy of it
+    (`shadow`) the same way: each master shard sits beside the shard of the weight it formats, so formatting
+    needs no communication except where a scale spans rows that other ranks hold (fp8 tensor or block scales
+    of a matrix: that master is gathered, formatted whole, and this rank keeps its rows). The shadow only
+    names the masters (a sharded checkpoint's optimizer state and masters are keyed by its parameter names); it
+    never runs. Separate-mode fp8 computes in bf16, so its gradient shards are bf16 too (FSDP reduces in fp32,
+    then casts to the parameter's dtype) where an unsharded bf16 trainer sums its ranks' bf16 gradients in fp32.
+    """
+
+    def __init__(self, model: torch.nn.Module, numerics: Numerics) -> None:
+        self.numerics = numerics
+        self.shadow = copy.deepcopy(model).float()  # the full-precision values, before formatting rounds them
+        self._fp8 = fp8_parameter_names(model) if numerics.precision == "fp8" else frozenset()
+        model.to(numerics.compute_dtype)
+        shard_model(model, compute_dtype=None)
+        shard_model(self.shadow, compute_dtype=None)
+        masters = dict(self.shadow.named_parameters())
+        self._pairs = [(name, param, masters[name]) for name, param in model.named_parameters()]
+        self.params = [master for _, _, master in self._pairs]
+        self.copy_to_model()
+
+    def grads_to_masters(self) -> None:
+        """Each master shard's grad := its parameter shard's grad in fp32 (already summed over the ranks)."""
+        for _, param, master in self._pairs:
+            master.grad = None if param.grad is None else param.grad.float()
+            param.grad = None
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Collective where a scale spans ranks: the masters, formatted, into the model's shards."""
+        for name, param, master in self._pairs:
+            param.to_local().copy_(self._formatted_shard(master, fp8=name in self._fp8))
+
+    def _formatted_shard(self, master: DTensor, *, fp8: bool) -> torch.Tensor:
+        # FSDP shards dim 0: a stacked expert tensor (E, out, in) keeps whole experts and a matrix whole rows, so
+        # per-row scales, and an expert's own tensor or block scales, are local; a matrix's tensor or block
+        # scales are not.
+        if fp8 and self.numerics.fp8_scaling != "channel" and master.ndim == 2:
+            whole = format_tensor(master.full_tensor(), self.numerics, fp8=True)
+            return distribute_tensor(whole, master.device_mesh, master.placements, src_data_rank=None).to_local()
+        return format_tensor(master.to_local(), self.numerics, fp8=fp8)
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

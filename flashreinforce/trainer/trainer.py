@@ -31,6 +31,8 @@ from flashreinforce.trainer.optim import build_optimizer
 from flashreinforce.trainer.precision import MasterWeights
 from flashreinforce.trainer.sharding import (
     SHARDINGS,
+    ShardedMasters,
+    casts_for_compute,
     full_optimizer_state,
     full_weights,
     load_full_optimizer_state,
@@ -104,23 +106,16 @@ class Trainer:
         self.device = torch.device(device)
         self.shard = Shard.current()
         self.sharded = sharding == "fsdp" and self.shard.world_size > 1
-        self.compute_dtype = (numerics or Numerics()).compute_dtype
+        numerics = numerics or Numerics()
+        self.compute_dtype = numerics.compute_dtype
+        self.formats_weights = numerics.formats_weights
         model.to(self.device)  # before the adapters and the masters, which are built on the model's device
-        if self.sharded:
-            _check_shardable(numerics)
-        if self.sharded and lora is None:
-            shard_model(model.float(), self.compute_dtype)
-            numerics = None  # the sharded fp32 parameters are the masters; FSDP casts them for compute
         self.lora: LoraAdapter | None = attach_lora(model, lora, numerics) if lora is not None else None
-        if self.sharded and self.lora is not None:  # the formatted frozen base and fp32 adapters, sharded as they are
-            shard_model(self.lora.base, compute_dtype=None)
         self.model = self.lora.model if self.lora is not None else model
         self.spec = LOSSES[loss]
         self.advantage_options, loss_options = self.spec.split_options(loss_options, loss)
         self.loss_options = {**self.spec.defaults, **loss_options}
-        # A bf16/fp8 model computes; AdamW steps fp32 masters of its weights (precision.py says why). With LoRA
-        # the base is already formatted and frozen, and the fp32 adapters are stepped as they are.
-        self.masters = MasterWeights(self.model, numerics if self.lora is None else None)
+        self.masters = self._build_masters(numerics)
         self.optimizer, self.schedule = build_optimizer(
             self.masters.params,
             lr=optimizer.lr,
@@ -140,6 +135,30 @@ class Trainer:
         self.wpsm = wpsm
         self.router_replay = router_replay
         self.version = 0
+
+    def _build_masters(self, numerics: Numerics) -> MasterWeights | ShardedMasters:
+        """What AdamW steps, sharding the model first when the trainer is sharded. A bf16/fp8 model computes and
+        AdamW steps fp32 masters of its weights (precision.py says why). With LoRA the base is already formatted
+        and frozen (sharded as it is), and the fp32 adapters are stepped as they are. Sharded fp32 or bf16: the
+        fp32 shards are the masters and FSDP casts them for compute; other formats: ShardedMasters."""
+        if self.lora is not None:
+            if self.sharded:
+                shard_model(self.lora.base, compute_dtype=None)
+            return MasterWeights(self.model)
+        if not self.sharded:
+            return MasterWeights(self.model, numerics)
+        if casts_for_compute(numerics):
+            shard_model(self.model.float(), self.compute_dtype)
+            return MasterWeights(self.model)
+        return ShardedMasters(self.model, numerics)
+
+    @property
+    def _stepped_root(self) -> torch.nn.Module:
+        """The module whose parameters AdamW steps, by whose names a sharded checkpoint keys the optimizer state
+        and masters: the LoRA base (its adapters), the fp32 copy of formatted shards, or the model."""
+        if self.lora is not None:
+            return self.lora.base
+        return self.masters.shadow if isinstance(self.masters, ShardedMasters) else self.model
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """Train on one learner batch; returns flat metrics. Increments `version`."""
@@ -308,26 +327,27 @@ class Trainer:
         return state
 
     def _sharded_state(self) -> dict[str, Any]:
-        """The optimizer's state by parameter name (not by index, as an unsharded one's), and in bf16 the fp32
-        masters (with LoRA: the adapter and the adapted layers' frozen base instead), gathered in full: a resume
-        may use another world size."""
-        root = self.model if self.lora is None else self.lora.base
+        """The optimizer's state by parameter name (not by index, as an unsharded one's), and for formatted
+        weights (bf16, fp8) the fp32 masters (with LoRA: the adapter and the adapted layers' frozen base instead),
+        gathered in full: a resume may use another world size."""
+        root = self._stepped_root
         state = {"sharding": "fsdp", "optimizer": full_optimizer_state(root, self.optimizer),
                  "schedule": self.schedule.state_dict(), "version": self.version}
         if self.lora is not None:  # the adapters are stepped as they are: no masters
             full = full_weights(root)
             state["lora"] = self.lora.state_dict(full) if full else {}
-        elif self.compute_dtype != torch.float32:
+        elif self.formats_weights:
             state["master_weights"] = full_weights(root)
         return state if self.shard.rank == 0 else {}
 
     def _load_sharded_state(self, state: Mapping[str, Any]) -> None:
         """Collective: every rank gives the same full state (rank 0's `_sharded_state`) and keeps its shards."""
-        root = self.model if self.lora is None else self.lora.base
+        root = self._stepped_root
         if self.lora is not None:  # the model was built from the merged weights: its adapted layers' are not W
             load_full_weights(root, self.lora.sharded_state(state["lora"]), partial=True)
         elif "master_weights" in state:
             load_full_weights(root, state["master_weights"])
+            self.masters.copy_to_model()  # formatted shards from the loaded masters (FSDP's cast needs none)
         load_full_optimizer_state(root, self.optimizer, state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.version = int(state["version"])
@@ -352,13 +372,6 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.version = int(state["version"])
-
-
-def _check_shardable(numerics: Numerics | None) -> None:
-    if numerics is not None and (numerics.precision == "fp8" or (numerics.unified and numerics.formats_weights)):
-        raise ValueError(f"trainer.sharding=fsdp computes in fp32 or bf16 only, not precision={numerics.precision}"
-                         f"{' unified' if numerics.unified else ''}; set precision.trainer to fp32 or bf16 "
-                         "(unified off), or trainer.sharding=replicate")
 
 
 def _save_sharded(model: torch.nn.Module, directory: Path, weights: Mapping[str, torch.Tensor],
