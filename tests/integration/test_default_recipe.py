@@ -22,8 +22,6 @@ def test_default_recipe_gains_twenty_points(tmp_path):
 
 
 @pytest.mark.slow
-# Out of CI's time: the step's equality (test_data_parallel.py) and 2-rank runs (test_kill_resume.py) stay in it.
-@pytest.mark.long
 def test_default_recipe_on_two_data_parallel_ranks_gains_twenty_points(tmp_path):
     """trainer.world_size=2: two gloo ranks in processes of their own train each batch's halves (the step
     equals the one-rank step: tests/unit/trainer/test_data_parallel.py); the recipe must learn as well."""
