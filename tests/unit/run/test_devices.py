@@ -35,7 +35,8 @@ def test_the_trainer_computes_on_its_device(tiny_run):
     assert trainer.device == torch.device("cpu") and next(trainer.model.parameters()).device.type == "cpu"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/device_checks.sh)")
 def test_the_trainer_and_engine_compute_on_the_gpu(tiny_run):
     from flashreinforce.run.backends import build_episodes
     from flashreinforce.run.data import load_data
