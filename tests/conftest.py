@@ -118,6 +118,22 @@ def chat_tokenizer():
     return build_chat_tokenizer()
 
 
+@pytest.fixture
+def save_chat_model(chat_tokenizer, tmp_path):
+    """save(hidden_size, num_layers) -> a Hugging Face directory: a random Qwen2-style model over the chat
+    tokenizer's vocabulary (2 heads, MLP 4x), saved with the tokenizer."""
+    from flashreinforce.models import build_model
+
+    def save(hidden_size: int, num_layers: int):
+        directory = tmp_path / f"chat-model-{hidden_size}x{num_layers}"
+        build_model(len(chat_tokenizer), hidden_size, num_layers, 2, 4 * hidden_size,
+                    pad_token_id=chat_tokenizer.pad_token_id,
+                    eos_token_id=chat_tokenizer.eos_token_id).save_pretrained(directory)
+        chat_tokenizer.save_pretrained(directory)
+        return directory
+    return save
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """A Ray of the test module's own on this machine (loopback, usage stats off); a start costs seconds."""

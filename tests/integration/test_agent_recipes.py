@@ -5,7 +5,6 @@ import json
 import pytest
 
 from flashreinforce.config import load_config
-from flashreinforce.models import build_model
 from flashreinforce.run.training import run_training
 
 pytestmark = pytest.mark.slow  # whole runs with sandboxed tool calls, ~10 s each
@@ -23,11 +22,8 @@ def _local(model_dir, data, tiny_run):
 
 
 @pytest.fixture
-def chat_model(chat_tokenizer, tmp_path):
-    model_dir = tmp_path / "chat-model"
-    build_model(len(chat_tokenizer), 32, 1, 2, 128, pad_token_id=chat_tokenizer.pad_token_id,
-                eos_token_id=chat_tokenizer.eos_token_id).save_pretrained(model_dir)
-    chat_tokenizer.save_pretrained(model_dir)
+def chat_model(save_chat_model, tmp_path):
+    model_dir = save_chat_model(32, 1)
     rows = [{"prompt": [{"role": "user", "content": f"What is {a}*{b}? Use <code>print(...)</code>."}],
              "reward_model": {"ground_truth": str(a * b)}} for a in range(2, 6) for b in range(2, 6)]
     data = tmp_path / "tool.jsonl"

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from flashreinforce.config import load_config
-from flashreinforce.models import build_model
 from flashreinforce.run.training import run_training
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu,
@@ -24,12 +23,9 @@ measures ~1e-5 at most; GPU attention kernels for one decoded token and for a wh
 
 
 @pytest.fixture
-def math_model(chat_tokenizer, tmp_path):
+def math_model(save_chat_model, tmp_path):
     """A 2-layer chat model (the offline ChatML tokenizer) and 64 addition prompts in the common RL format."""
-    model_dir = tmp_path / "math-model"
-    build_model(len(chat_tokenizer), 64, 2, 2, 256, pad_token_id=chat_tokenizer.pad_token_id,
-                eos_token_id=chat_tokenizer.eos_token_id).save_pretrained(model_dir)
-    chat_tokenizer.save_pretrained(model_dir)
+    model_dir = save_chat_model(64, 2)
     rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{b}? Answer with a number."}],
              "reward_model": {"ground_truth": str(a + b)}, "data_source": "add"}
             for a in range(8) for b in range(8)]

@@ -99,6 +99,21 @@ def group(tmp_path, world_size: int = 2, sharding: str = "replicate", precision:
                         backend="gloo", template=net.state_dict(), threads=1, sharded=sharding == "fsdp")
 
 
+def one_process_step(tmp_path, net: torch.nn.Module, rows: list[Trajectory], **options) -> tuple[Trainer, dict, list]:
+    """One process's trainer after a step on `rows`: (trainer, its metrics, the gradient it stepped with)."""
+    (tmp_path / "single").mkdir()
+    single = trainer(net, str(tmp_path / "single"), **options)
+    metrics = single.step(rows)
+    return single, metrics, torch.load(tmp_path / "single" / "rank0.pt")
+
+
+def assert_each_rank_stepped_with(reference: list[torch.Tensor], grads_dir, world_size: int = 2) -> None:
+    """Every rank's recorded gradient (a sharded rank's gathered in full) is `reference`, to 1e-6."""
+    for rank in range(world_size):
+        for mine, theirs in zip(torch.load(grads_dir / f"rank{rank}.pt"), reference, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+
+
 def test_the_ranks_share_out_every_row_once():
     shares = [Shard(rank, 3).rows(8).tolist() for rank in range(3)]
     assert shares == [[0, 3, 6], [1, 4, 7], [2, 5]]
@@ -112,17 +127,12 @@ def test_the_ranks_share_out_every_row_once():
     (2, 7, "replicate", 0), (2, 7, "fsdp", 0), pytest.param(2, 7, "fsdp", 4, marks=pytest.mark.slow),
     pytest.param(3, 2, "replicate", 0, marks=pytest.mark.slow), pytest.param(3, 2, "fsdp", 0, marks=pytest.mark.slow)])
 def test_gloo_ranks_give_the_one_process_gradient_and_step(tmp_path, one_thread, world_size, rows, sharding, experts):
-    (tmp_path / "single").mkdir()
-    single = trainer(model(experts), str(tmp_path / "single"))
-    expected = single.step(batch(rows, num_experts=experts))
-    reference = torch.load(tmp_path / "single" / "rank0.pt")
+    single, expected, reference = one_process_step(tmp_path, model(experts), batch(rows, num_experts=experts))
     assert expected["optim/grad_norm"] > 1e-3 and expected["mismatch/gate_rejected_fraction"] == 0
     ranks = group(tmp_path, world_size, sharding, net=model(experts))
     try:
         got = ranks.step(batch(rows, num_experts=experts))
-        for rank in range(world_size):
-            for mine, theirs in zip(torch.load(tmp_path / f"rank{rank}.pt"), reference, strict=True):
-                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+        assert_each_rank_stepped_with(reference, tmp_path, world_size)
         assert got.keys() == expected.keys()
         for name in ("loss/policy", "optim/grad_norm", "entropy/mean", "mismatch/seq_kl_p50", "batch/rows",
                      "batch/policy_tokens", "mismatch/abs_logprob_diff"):
@@ -180,18 +190,13 @@ def test_a_rank_that_fails_to_start_fails_the_group_at_once_naming_it(tmp_path, 
 def test_sharded_lora_ranks_give_the_one_process_adapter_gradient_and_merged_weights(tmp_path, one_thread):
     """FSDP over a LoRA model (its frozen base sharded too): the adapters' gradient is the one-process one,
     and the merged weights the ranks publish are the unsharded LoRA trainer's, under the base names."""
-    (tmp_path / "single").mkdir()
-    single = trainer(model(), str(tmp_path / "single"), lora=True)
-    expected = single.step(batch())
-    reference = torch.load(tmp_path / "single" / "rank0.pt")
+    single, expected, reference = one_process_step(tmp_path, model(), batch(), lora=True)
     assert len(reference) == 2 * 2 * 7  # A and B of 7 projections in each of 2 layers: only adapters train
     assert expected["optim/grad_norm"] > 1e-3
     ranks = group(tmp_path, sharding="fsdp", lora=True)
     try:
         got = ranks.step(batch())
-        for rank in range(2):
-            for mine, theirs in zip(torch.load(tmp_path / f"rank{rank}.pt"), reference, strict=True):
-                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+        assert_each_rank_stepped_with(reference, tmp_path)
         assert got["loss/policy"] == pytest.approx(expected["loss/policy"], rel=1e-5)
         merged, own = ranks.weights(), single.weights()
         assert merged.keys() == own.keys() == model().state_dict().keys()
@@ -272,16 +277,11 @@ def outlier_model() -> torch.nn.Module:
     pytest.param(Numerics("fp8", unified=True, fp8_scaling="channel"), marks=pytest.mark.slow),
     pytest.param(Numerics("bf16", unified=True), marks=pytest.mark.slow)], ids=["fp8-tensor", "fp8-channel", "bf16"])
 def test_sharded_unified_ranks_give_the_one_process_step(tmp_path, one_thread, numerics):
-    (tmp_path / "single").mkdir()
-    single = trainer(outlier_model(), str(tmp_path / "single"), precision=numerics)
-    expected = single.step(batch())
-    reference = torch.load(tmp_path / "single" / "rank0.pt")
+    single, expected, reference = one_process_step(tmp_path, outlier_model(), batch(), precision=numerics)
     ranks = group(tmp_path, sharding="fsdp", precision=numerics, net=outlier_model())
     try:
         got = ranks.step(batch())
-        for rank in range(2):
-            for mine, theirs in zip(torch.load(tmp_path / f"rank{rank}.pt"), reference, strict=True):
-                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+        assert_each_rank_stepped_with(reference, tmp_path)
         assert got["loss/policy"] == pytest.approx(expected["loss/policy"], rel=1e-5)
         masters = ranks.state_dict()["master_weights"]
         for name, master in single.masters.state_dict().items():
