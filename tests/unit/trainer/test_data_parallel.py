@@ -187,13 +187,18 @@ def test_a_rank_that_fails_to_start_fails_the_group_at_once_naming_it(tmp_path, 
     assert time.monotonic() - started < 120
 
 
-def test_sharded_lora_ranks_give_the_one_process_adapter_gradient_and_merged_weights(tmp_path, one_thread):
+# unified fp8: the base is formatted whole (tensor scales) before it is sharded, and computes in fp32
+@pytest.mark.filterwarnings("ignore:trainer.lora with precision.mode=unified")
+@pytest.mark.parametrize("precision", ["fp32", pytest.param(Numerics("fp8", unified=True, fp8_scaling="tensor"),
+                                                            marks=pytest.mark.slow)], ids=["fp32", "fp8-unified"])
+def test_sharded_lora_ranks_give_the_one_process_adapter_gradient_and_merged_weights(tmp_path, one_thread,
+                                                                                     precision):
     """FSDP over a LoRA model (its frozen base sharded too): the adapters' gradient is the one-process one,
     and the merged weights the ranks publish are the unsharded LoRA trainer's, under the base names."""
-    single, expected, reference = one_process_step(tmp_path, model(), batch(), lora=True)
+    single, expected, reference = one_process_step(tmp_path, model(), batch(), lora=True, precision=precision)
     assert len(reference) == 2 * 2 * 7  # A and B of 7 projections in each of 2 layers: only adapters train
     assert expected["optim/grad_norm"] > 1e-3
-    ranks = group(tmp_path, sharding="fsdp", lora=True)
+    ranks = group(tmp_path, sharding="fsdp", lora=True, precision=precision)
     try:
         got = ranks.step(batch())
         assert_each_rank_stepped_with(reference, tmp_path)
@@ -272,16 +277,19 @@ def outlier_model() -> torch.nn.Module:
 # fp8 and unified: the shards hold the formatted weights and fp32 master shards sit beside them
 # (trainer/sharding.py::ShardedMasters). A matrix's tensor scale spans both ranks' rows (its master is gathered
 # to format it); channel scales are each rank's own. Unified computes in fp32, so the step is the one-process step.
-@pytest.mark.parametrize("numerics", [
-    Numerics("fp8", unified=True, fp8_scaling="tensor"),
-    pytest.param(Numerics("fp8", unified=True, fp8_scaling="channel"), marks=pytest.mark.slow),
-    pytest.param(Numerics("bf16", unified=True), marks=pytest.mark.slow)], ids=["fp8-tensor", "fp8-channel", "bf16"])
-def test_sharded_unified_ranks_give_the_one_process_step(tmp_path, one_thread, numerics):
+# 3 ranks: the 16-row matrices shard unevenly (6, 6, 4 rows)
+@pytest.mark.parametrize(("numerics", "world_size"), [
+    (Numerics("fp8", unified=True, fp8_scaling="tensor"), 2),
+    pytest.param(Numerics("fp8", unified=True, fp8_scaling="tensor"), 3, marks=pytest.mark.slow),
+    pytest.param(Numerics("fp8", unified=True, fp8_scaling="channel"), 2, marks=pytest.mark.slow),
+    pytest.param(Numerics("bf16", unified=True), 2, marks=pytest.mark.slow)],
+    ids=["fp8-tensor", "fp8-tensor-3-ranks", "fp8-channel", "bf16"])
+def test_sharded_unified_ranks_give_the_one_process_step(tmp_path, one_thread, numerics, world_size):
     single, expected, reference = one_process_step(tmp_path, outlier_model(), batch(), precision=numerics)
-    ranks = group(tmp_path, sharding="fsdp", precision=numerics, net=outlier_model())
+    ranks = group(tmp_path, world_size, sharding="fsdp", precision=numerics, net=outlier_model())
     try:
         got = ranks.step(batch())
-        assert_each_rank_stepped_with(reference, tmp_path)
+        assert_each_rank_stepped_with(reference, tmp_path, world_size)
         assert got["loss/policy"] == pytest.approx(expected["loss/policy"], rel=1e-5)
         masters = ranks.state_dict()["master_weights"]
         for name, master in single.masters.state_dict().items():
