@@ -39,7 +39,8 @@ def trainer(net: torch.nn.Module, grads_to: str | None = None, rank: int = 0, sh
         optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, total_steps=10,
                                     min_lr_ratio=1.0, grad_clip=math.inf),
         microbatch_size=2, pad_token_id=0, temperature=1.0, max_new_tokens=16, sharding=sharding,
-        numerics=precision if isinstance(precision, Numerics) else Numerics(precision), lora=LoraSettings(r=4, alpha=8.0, seed=3) if lora else None)
+        numerics=precision if isinstance(precision, Numerics) else Numerics(precision),
+        lora=LoraSettings(r=4, alpha=8.0, seed=3) if lora else None)
     if grads_to is not None:
         path = os.path.join(grads_to, f"rank{rank}.pt")
         built.optimizer.register_step_pre_hook(
@@ -214,13 +215,14 @@ def test_sharded_lora_ranks_give_the_one_process_adapter_gradient_and_merged_wei
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft reads a deprecated attribute
-# fp32 full and bf16 LoRA in CI; the other two combinations are marked long for CI's time
+# fp32 full, bf16 LoRA and fp8 full (its masters sharded beside the formatted weights) in CI; the other two
+# combinations are marked long for CI's time
 @pytest.mark.parametrize(("precision", "lora"), [("fp32", False), pytest.param("bf16", False, marks=pytest.mark.long),
                                                  pytest.param("fp32", True, marks=pytest.mark.long), ("bf16", True),
                                                  ("fp8", False)])
 def test_a_sharded_group_saves_a_loadable_model_and_resumes_its_exact_step(tmp_path, one_thread, precision, lora):
-    """A checkpoint of an FSDP group (the model saved by rank 0, the optimizer state and bf16's fp32 masters
-    gathered in full) resumes into a new group whose next step is the uninterrupted group's."""
+    """A checkpoint of an FSDP group (the model saved by rank 0, the optimizer state and bf16's or fp8's fp32
+    masters gathered in full) resumes into a new group whose next step is the uninterrupted group's."""
     (tmp_path / "steady").mkdir()
     (tmp_path / "resumed").mkdir()
     steady = group(tmp_path / "steady", sharding="fsdp", precision=precision, lora=lora)
