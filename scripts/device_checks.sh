@@ -13,7 +13,8 @@ OUT=${OUT:-/tmp/device-checks}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 if ! "$PYTHON" -c "import pydantic" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 FLASHREINFORCE_GPU_REPORT=$OUT/gpu_report.jsonl
@@ -25,7 +26,7 @@ rm -f "$FLASHREINFORCE_GPU_REPORT"
 # -o addopts= drops the default -m 'not slow'; the gpu tests are slow ones
 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts= --strict-markers -m gpu -rs tests 2>&1 | tee "$OUT/gpu_tests.log"
 status=${PIPESTATUS[0]}
-"$PYTHON" -m pytest -q -p no:cacheprovider tests/unit/trainer/test_trainer.py tests/unit/rollout tests/unit/run/test_devices.py \
-  2>&1 | tee "$OUT/unit_tests.log" | tail -n 3
+"$PYTHON" -m pytest -q -p no:cacheprovider tests/unit/trainer/test_trainer.py tests/unit/rollout \
+  tests/unit/run/test_devices.py 2>&1 | tee "$OUT/unit_tests.log" | tail -n 3
 [ -f "$FLASHREINFORCE_GPU_REPORT" ] && cat "$FLASHREINFORCE_GPU_REPORT"
 exit "$status"
