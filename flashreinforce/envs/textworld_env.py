@@ -291,7 +291,10 @@ def _alfworld_wrappers() -> list:
         )
     except ImportError as error:
         raise ImportError("ALFWorldEnv needs the alfworld package: pip install alfworld (then alfworld-download "
-                          "for its games)") from error
+                          "for its games; where building its fast-downward-textworld dependency fails with 'No "
+                          "module named ...' beside an editable install of this project, run pip install "
+                          "setuptools wheel && pip install --no-build-isolation fast-downward-textworld "
+                          "first)") from error
     return [AlfredDemangler(shuffle=False), AlfredInfos]
 
 
