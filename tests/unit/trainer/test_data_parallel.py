@@ -263,15 +263,16 @@ def test_a_checkpoint_resumes_only_with_the_sharding_that_wrote_it():
         trainer(model()).load_state_dict({**state, "sharding": "fsdp"})
 
 
-def outlier_model() -> torch.nn.Module:
-    """model() with the second half of every matrix's rows 1024x smaller. Power-of-two scales change only which
+def outlier_model(num_experts: int = 0) -> torch.nn.Module:
+    """model() with the second half of every matrix's rows (of a stacked expert tensor: of its experts) 1024x
+    smaller. Power-of-two scales change only which
     values fall below e4m3's normal range (2^-6 x scale), so a scale matters where a tensor spans more than
     ~2^9: here each matrix's fp8 tensor scale is set by the rows rank 0 holds, under which most of rank 1's rows
     are subnormal, and the rows of rank 1 alone would give a scale that keeps them normal."""
-    net = model()
+    net = model(num_experts)
     with torch.no_grad():
         for param in net.parameters():
-            if param.ndim == 2:
+            if param.ndim >= 2:
                 param[param.shape[0] // 2:] /= 1024
     return net
 
@@ -279,18 +280,21 @@ def outlier_model() -> torch.nn.Module:
 # fp8 and unified: the shards hold the formatted weights and fp32 master shards sit beside them
 # (trainer/sharding.py::ShardedMasters). A matrix's tensor scale spans both ranks' rows (its master is gathered
 # to format it); channel scales are each rank's own. Unified computes in fp32, so the step is the one-process step.
-# 3 ranks: the 16-row matrices shard unevenly (6, 6, 4 rows)
-@pytest.mark.parametrize(("numerics", "world_size"), [
-    (Numerics("fp8", unified=True, fp8_scaling="tensor"), 2),
-    pytest.param(Numerics("fp8", unified=True, fp8_scaling="tensor"), 3, marks=pytest.mark.slow),
-    pytest.param(Numerics("fp8", unified=True, fp8_scaling="channel"), 2, marks=pytest.mark.slow),
-    pytest.param(Numerics("bf16", unified=True), 2, marks=pytest.mark.slow)],
-    ids=["fp8-tensor", "fp8-tensor-3-ranks", "fp8-channel", "bf16"])
-def test_sharded_unified_ranks_give_the_one_process_step(tmp_path, one_thread, numerics, world_size):
-    single, expected, reference = one_process_step(tmp_path, outlier_model(), batch(), precision=numerics)
-    ranks = group(tmp_path, world_size, sharding="fsdp", precision=numerics, net=outlier_model())
+# 3 ranks: the 16-row matrices shard unevenly (6, 6, 4 rows). 4 experts: each rank holds 2 whole (E, out, in)
+# expert matrices and scales them itself.
+@pytest.mark.parametrize(("numerics", "world_size", "experts"), [
+    (Numerics("fp8", unified=True, fp8_scaling="tensor"), 2, 0),
+    pytest.param(Numerics("fp8", unified=True, fp8_scaling="tensor"), 3, 0, marks=pytest.mark.slow),
+    pytest.param(Numerics("fp8", unified=True, fp8_scaling="tensor"), 2, 4, marks=pytest.mark.slow),
+    pytest.param(Numerics("fp8", unified=True, fp8_scaling="channel"), 2, 0, marks=pytest.mark.slow),
+    pytest.param(Numerics("bf16", unified=True), 2, 0, marks=pytest.mark.slow)],
+    ids=["fp8-tensor", "fp8-tensor-3-ranks", "fp8-tensor-moe", "fp8-channel", "bf16"])
+def test_sharded_unified_ranks_give_the_one_process_step(tmp_path, one_thread, numerics, world_size, experts):
+    rows = batch(num_experts=experts)
+    single, expected, reference = one_process_step(tmp_path, outlier_model(experts), rows, precision=numerics)
+    ranks = group(tmp_path, world_size, sharding="fsdp", precision=numerics, net=outlier_model(experts))
     try:
-        got = ranks.step(batch())
+        got = ranks.step(rows)
         assert_each_rank_stepped_with(reference, tmp_path, world_size)
         assert got["loss/policy"] == pytest.approx(expected["loss/policy"], rel=1e-5)
         masters = ranks.state_dict()["master_weights"]
@@ -299,8 +303,8 @@ def test_sharded_unified_ranks_give_the_one_process_step(tmp_path, one_thread, n
         # what the ranks publish is the whole masters formatted, bit for bit: a scale taken over one rank's
         # rows alone would differ
         published = ranks.weights()
-        formatted = format_state(masters, numerics, fp8_parameter_names(outlier_model()))
-        assert published.keys() == formatted.keys() == model().state_dict().keys()
+        formatted = format_state(masters, numerics, fp8_parameter_names(outlier_model(experts)))
+        assert published.keys() == formatted.keys() == model(experts).state_dict().keys()
         for name, tensor in formatted.items():
             assert published[name].dtype == torch.float32 and torch.equal(published[name], tensor), name
     finally:
