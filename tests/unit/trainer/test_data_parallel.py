@@ -265,10 +265,10 @@ def test_a_checkpoint_resumes_only_with_the_sharding_that_wrote_it():
 
 def outlier_model(num_experts: int = 0) -> torch.nn.Module:
     """model() with the second half of every matrix's rows (of a stacked expert tensor: of its experts) 1024x
-    smaller. Power-of-two scales change only which
-    values fall below e4m3's normal range (2^-6 x scale), so a scale matters where a tensor spans more than
-    ~2^9: here each matrix's fp8 tensor scale is set by the rows rank 0 holds, under which most of rank 1's rows
-    are subnormal, and the rows of rank 1 alone would give a scale that keeps them normal."""
+    smaller. Power-of-two scales change only which values fall below e4m3's normal range (2^-6 x scale), so a
+    scale matters where a tensor spans more than ~2^9: here each matrix's fp8 tensor scale is set by the rows
+    rank 0 holds, under which most of rank 1's rows are subnormal, and the rows of rank 1 alone would give a
+    scale that keeps them normal."""
     net = model(num_experts)
     with torch.no_grad():
         for param in net.parameters():
