@@ -466,6 +466,11 @@ class BackendConfig(_Section):
     health_timeout_s: float = Field(60.0, gt=0)
     """ray: an actor that does not answer a health check or a call within this long is treated as dead
     (restarted, its requests re-queued), never waited on forever."""
+    weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"
+    """ray: how new weights reach the engines. object_store: rank 0's weights on its CPU, once in Ray's object
+    store, each engine copies them out. broadcast: one torch.distributed broadcast from rank 0 to every engine
+    (NCCL when the trainer and the engines are all on cuda, else gloo), falling back to the object store for an
+    engine it does not reach. auto: broadcast when both sides are on cuda, else object_store."""
     step_timeout_s: float = Field(3600.0, gt=0)
     """ray: the longest a trainer call (an optimizer step, a checkpoint's trainer state) may take before its rank
     is treated as hung: the run stops with an error, and `flashreinforce train --resume <run_dir>` continues it."""
@@ -480,6 +485,14 @@ class BackendConfig(_Section):
     torch in memory. Measured on 2 cores: the schedulers benchmark's long-tailed workload runs urb and
     stream ~8% faster with it (4 of 4 alternating runs), the default recipe not (RL time 98 s vs 95 s), so it
     is off by default. The lockstep loop (`deterministic: true`) always trains inline."""
+
+    @model_validator(mode="after")
+    def _ray_only(self) -> BackendConfig:
+        if self.weight_sync == "broadcast" and self.kind != "ray":
+            raise ValueError("backend.weight_sync=broadcast sends weights to Ray engine actors: set backend.kind=ray, "
+                             "or leave backend.weight_sync=auto (the local backend's engine shares the trainer's "
+                             "process and copies the weights in memory)")
+        return self
 
 
 class LogConfig(_Section):

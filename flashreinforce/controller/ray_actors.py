@@ -62,6 +62,8 @@ class EngineActor:
         self.done: list[Generation] = []
         self.failure: BaseException | None = None
         self.wake = asyncio.Event()
+        self.weight_group: Any = None
+        """rollout.weight_broadcast.WeightGroup of backend.weight_sync=broadcast, once the driver built one."""
 
     async def submit(self, requests: Sequence[Submission]) -> None:
         """Queue the requests (all before the engine's next step: AsyncEngine batches one event-loop turn)."""
@@ -110,6 +112,33 @@ class EngineActor:
         await self.engine.load_weights(weights, version)
         return version
 
+    async def load_versioned(self, versioned: tuple[int, Mapping[str, Any]]) -> int:
+        """load_weights of (version, weights) as the trainer labeled them (TrainerActor.versioned_weights)."""
+        return await self.load_weights(versioned[1], versioned[0])
+
+    async def join_weight_group(self, spec: Any, rank: int) -> None:
+        """Leave the weight group this actor is in, if any, and join generation `spec` as `rank` (blocks, off
+        the event loop, until every member has joined)."""
+        from flashreinforce.rollout.weight_broadcast import WeightGroup
+
+        self.leave_weight_group()
+        self.weight_group = await asyncio.to_thread(WeightGroup, spec, rank)
+
+    async def receive_weights(self) -> int:
+        """Take rank 0's broadcast (off the event loop: polls go on being answered) and load it; its version.
+        A failed receive leaves the group (the driver builds a new one) and raises."""
+        try:
+            version, weights = await asyncio.to_thread(self.weight_group.receive)
+        except BaseException:
+            self.leave_weight_group()
+            raise
+        return await self.load_weights(weights, version)
+
+    def leave_weight_group(self) -> None:
+        if self.weight_group is not None:
+            self.weight_group.close()
+            self.weight_group = None
+
     async def ping(self) -> int:
         """The engine's weight version: an answer at all means the actor's event loop is alive."""
         return self.engine.version
@@ -134,6 +163,9 @@ class TrainerActor:
         self.trainer: Any = None
         self.store: Any = None
         """Rank 0's rendezvous store (torch.distributed.TCPStore), kept open as long as the group."""
+        self.weight_store: Any = None
+        """Rank 0's store of the weight group (backend.weight_sync=broadcast), open while a generation lives."""
+        self.weight_group: Any = None
 
     def rendezvous(self) -> str:
         """Asked of rank 0: a rendezvous store this actor holds open on its node, at a port the OS picked as it
@@ -156,6 +188,48 @@ class TrainerActor:
     def weights(self) -> dict[str, Any]:
         """The weights engines load (on the CPU: an engine may be on another machine or device)."""
         return {name: tensor.detach().cpu() for name, tensor in self.trainer.weights().items()}
+
+    def versioned_weights(self) -> tuple[int, dict[str, Any]]:
+        """(version, weights()): what a restarting engine loads, labeled here so the label cannot lag a step."""
+        return self.trainer.version, self.weights()
+
+    def open_weight_group(self) -> str:
+        """Asked of rank 0: a fresh store for a new generation of the weight group (the last one is left); its
+        tcp:// address."""
+        from flashreinforce.trainer.distributed import launcher_store
+
+        self.leave_weight_group()
+        self.weight_store, address = launcher_store(ray.util.get_node_ip_address())
+        return address
+
+    def join_weight_group(self, spec: Any) -> bool:
+        """Rank 0 joins as the sender (blocks until the engines have joined). False, not an error, when they do
+        not come within the group's timeout: an engine's fault must not stop the trainer."""
+        from flashreinforce.rollout.weight_broadcast import WeightGroup
+
+        try:
+            self.weight_group = WeightGroup(spec, rank=0)
+        except Exception:  # noqa: BLE001 - the driver counts it and falls back to the object store
+            self.leave_weight_group()
+            return False
+        return True
+
+    def broadcast_weights(self) -> int | None:
+        """Rank 0: the current weights to every engine of the weight group; their version, or None when the send
+        failed (a peer gone mid-push: the group is left and the driver falls back). Sharded, the other ranks
+        call weights() at the same time: gathering the full weights is a collective."""
+        weights = self.trainer.weights()
+        try:
+            self.weight_group.send(weights, self.trainer.version)
+        except Exception:  # noqa: BLE001 - as in join_weight_group
+            self.leave_weight_group()
+            return None
+        return self.trainer.version
+
+    def leave_weight_group(self) -> None:
+        if self.weight_group is not None:
+            self.weight_group.close()
+        self.weight_group = self.weight_store = None
 
     def state_dict(self) -> dict[str, Any]:
         return self.trainer.state_dict()

@@ -36,6 +36,7 @@ from flashreinforce.controller.ray_actors import EngineActor, EngineReport, Subm
 from flashreinforce.controller.ray_cluster import START_TIMEOUT_S, RaySettings, brief, ready, start_ray
 from flashreinforce.controller.ray_trainer import RayTrainer
 from flashreinforce.controller.ray_verifiers import RayVerifiers
+from flashreinforce.controller.ray_weights import WeightBroadcaster
 from flashreinforce.rollout.engine import EngineStats
 from flashreinforce.types import Generation, Prompt, SamplingParams, Trajectory, Verdict
 
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 1.0  # how long an engine holds a poll open while nothing finishes
 _RECOVERY_TRIES = 3  # restarts in a row that may fail before an engine is given up (and the run with it)
+_FROM_TRAINER = object()
+"""In RayBackend._weights: the last push went by broadcast, so nothing in the object store holds it; an engine
+that restarts loads rank 0's versioned weights instead (RayTrainer.versioned_weights_ref)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,8 @@ class RayBackend:
         self.timeout_s = settings.health_timeout_s
         self._weights: tuple[int, Any] = (version, None)
         """(version, ref of its weights) the engines must hold; None: those they were built with."""
+        self._broadcaster = (WeightBroadcaster(trainer, settings.weight_backend, settings.health_timeout_s)
+                             if settings.weight_sync == "broadcast" else None)
         for engine in engines:
             engine.version = version
         self._requests: dict[str, Submission] = {}
@@ -261,6 +267,8 @@ class RayBackend:
         self.counts["requeued_requests"] += len(engine.requests)
         if engine.poll is not None and engine.poll is not asyncio.current_task():
             engine.poll.cancel()
+        if self._broadcaster is not None:  # a member is gone: the weight group's next push needs a new one
+            self._broadcaster.invalidate()
         engine.carried, engine.stats = _plus(engine.carried, engine.stats), EngineStats()
         self._queue[:0] = list(engine.requests)
         engine.requests.clear()
@@ -308,10 +316,13 @@ class RayBackend:
         """Load the weights the other engines hold, again if a push came meanwhile."""
         while True:
             version, weights = self._weights
-            if weights is not None:
+            if weights is _FROM_TRAINER:
+                version = await self._ask(engine, engine.actor.load_versioned.remote(
+                    self.trainer.versioned_weights_ref()), "load_weights")
+            elif weights is not None:
                 await self._ask(engine, engine.actor.load_weights.remote(weights, version), "load_weights")
             engine.version = version
-            if self._weights[0] == version:
+            if version >= self._weights[0]:  # rank 0's versioned weights may be a step ahead of the last push
                 return
 
     # ---- pause, resume, abort -------------------------------------------------------------------------
@@ -389,21 +400,39 @@ class RayBackend:
     # ---- weights, training, scoring -------------------------------------------------------------------
 
     async def push_weights(self) -> int:
-        """Rank 0's weights into the object store once; every healthy engine loads them between two decoding
-        steps. An engine restarting now loads them when it is back, before it takes work."""
-        version, weights = self.trainer.version, self.trainer.weights_ref()
+        """Rank 0's weights into every healthy engine, between two of its decoding steps: by the weight group
+        (backend.weight_sync=broadcast), and through the object store for the engines it did not reach (every
+        engine, without a group). An engine restarting now loads them when it is back, before it takes work."""
+        version, engines = self.trainer.version, [e for e in self.engines if e.healthy]
+        if self._broadcaster is not None and self._broadcaster.usable and engines:
+            self.counts["weight_broadcasts"] += 1
+            answers = await self._broadcaster.push(engines, self._ask)
+            engines = self._take_versions(engines, answers, strict=False)
+            self._weights = (version, _FROM_TRAINER)
+            if not engines:
+                return version
+            self.counts["weight_broadcast_fallbacks"] += 1
+        weights = self.trainer.weights_ref()
         self._weights = (version, weights)
-        healthy = [e for e in self.engines if e.healthy]
         answers = await asyncio.gather(*(self._ask(e, e.actor.load_weights.remote(weights, version), "load_weights")
-                                         for e in healthy), return_exceptions=True)
-        for engine, answer in zip(healthy, answers):
+                                         for e in engines), return_exceptions=True)
+        self._take_versions(engines, answers, strict=True)
+        return version
+
+    def _take_versions(self, engines: list[_Engine], answers: list[Any], *, strict: bool) -> list[_Engine]:
+        """Each engine's answer to a push: a version it now holds, EngineLost (restart it), or a failure: raised
+        when `strict`, else the engine is returned among those still to load the weights."""
+        missing = []
+        for engine, answer in zip(engines, answers):
             if isinstance(answer, EngineLost):
                 self._recover(engine, answer)
-            elif isinstance(answer, BaseException):
+            elif isinstance(answer, int):
+                engine.version = answer
+            elif strict and isinstance(answer, BaseException):
                 raise answer
             else:
-                engine.version = answer
-        return version
+                missing.append(engine)
+        return missing
 
     async def train(self, batch: Sequence[Trajectory]) -> dict[str, float]:
         return await self.trainer.step(batch)

@@ -31,6 +31,10 @@ class RaySettings:
     """torch.distributed backend of the trainer ranks: gloo (CPU) or nccl (GPU)."""
     sharded_trainer: bool
     """trainer.sharding=fsdp with several ranks: reading weights, state or the model is a collective of all."""
+    weight_sync: str
+    """object_store or broadcast (controller/ray_weights.py)."""
+    weight_backend: str
+    """torch.distributed backend of the weight group: nccl (every member on a GPU) or gloo."""
     engine_gpus: float
     trainer_gpus: float
     verifier_workers: tuple[int, int]

@@ -62,12 +62,35 @@ class RayTrainer:
         return metrics
 
     def weights_ref(self) -> Any:
-        """Rank 0's weights of `version`, as one object in the object store (every engine reads the same).
-        Sharded, every rank takes part in gathering them; the others' answers ({}) are checked at the next call."""
-        self._check_running("weights")
-        refs = [rank.weights.remote() for rank in self._readers()]
-        self._peer_reads.extend(refs[1:])
-        return refs[0]
+        """Rank 0's weights of `version`, as one object in the object store (every engine reads the same)."""
+        return self._weights_read("weights")
+
+    def versioned_weights_ref(self) -> Any:
+        """Rank 0's (version, weights) whenever its queue reaches the call: what a restarting engine loads
+        while a step may be running (its version then comes from rank 0, never a stale one from here)."""
+        return self._weights_read("versioned_weights")
+
+    def broadcast_ref(self) -> Any:
+        """Rank 0 sends its weights through the weight group (TrainerActor.broadcast_weights): a ref of the
+        version sent, or of None when the send failed."""
+        return self._weights_read("broadcast_weights")
+
+    def open_weight_group(self) -> str:
+        """A fresh store on rank 0's node for the next generation of the weight group: its address."""
+        return self._gather("open_weight_group", [self.ranks[0].open_weight_group.remote()], self.step_timeout_s)[0]
+
+    def join_weight_group_ref(self, spec: Any) -> Any:
+        """Rank 0 joins the weight group: a ref of True, or False when the engines did not come in time."""
+        self._check_running("join_weight_group")
+        return self.ranks[0].join_weight_group.remote(spec)
+
+    def _weights_read(self, method: str) -> Any:
+        """Rank 0's `method` over its full weights. Sharded, every other rank takes part in gathering them (its
+        weights() answers {}, checked at the next call)."""
+        self._check_running(method)
+        peers = [rank.weights.remote() for rank in self._readers()[1:]]
+        self._peer_reads.extend(peers)
+        return getattr(self.ranks[0], method).remote()
 
     def state_dict(self) -> dict[str, Any]:
         return self._gather("state_dict", [r.state_dict.remote() for r in self._readers()], self.step_timeout_s)[0]

@@ -86,10 +86,13 @@ def ray_settings(config: RunConfig) -> RaySettings:
     from flashreinforce.controller.ray_cluster import RaySettings
 
     backend, trainer, verifier = config.backend, config.trainer, config.verifier
+    on_gpus = config.rollout.device == "cuda" and trainer.device == "cuda"
+    weight_sync = backend.weight_sync if backend.weight_sync != "auto" else "broadcast" if on_gpus else "object_store"
     return RaySettings(address=backend.address, num_engines=backend.num_engines,
                        engine_slots=config.rollout.max_batch_size, world_size=trainer.world_size,
                        rank_backend="nccl" if trainer.device == "cuda" else "gloo",
                        sharded_trainer=trainer.sharding == "fsdp" and trainer.world_size > 1,
+                       weight_sync=weight_sync, weight_backend="nccl" if on_gpus else "gloo",
                        engine_gpus=float(config.rollout.device == "cuda"), trainer_gpus=float(trainer.device == "cuda"),
                        verifier_workers=(verifier.min_workers, verifier.max_workers),
                        env_workers=max(config.env.min_workers, config.env.max_workers) if config.env.multi_turn else 0,

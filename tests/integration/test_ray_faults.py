@@ -54,9 +54,14 @@ def _assert_exactly_once(run_dir: Path, steps: int) -> dict:
     return summary
 
 
-def test_a_killed_engine_is_restarted_and_the_run_loses_nothing(tiny_run, tmp_path):
+@pytest.mark.parametrize("weight_sync", [
+    [],
+    # the weight group (gloo) from rank 0 of two FSDP ranks: every push gathers the shards, then broadcasts
+    ["backend.weight_sync=broadcast", "trainer.world_size=2", "trainer.sharding=fsdp"],
+], ids=["object_store", "broadcast_fsdp"])
+def test_a_killed_engine_is_restarted_and_the_run_loses_nothing(tiny_run, tmp_path, weight_sync):
     run_dir, steps = tmp_path / "run", 6
-    config = load_config(None, [*tiny_run, *RAY_RUN, f"trainer.steps={steps}"])
+    config = load_config(None, [*tiny_run, *RAY_RUN, *weight_sync, f"trainer.steps={steps}"])
     killer = _kill_when(run_dir, 1, "-engine-0", no_restart=False)  # Ray restarts it
     run_training(config, run_dir=run_dir)  # checks the ledger itself at the end
     killer.join(timeout=1)
@@ -66,6 +71,8 @@ def test_a_killed_engine_is_restarted_and_the_run_loses_nothing(tiny_run, tmp_pa
     last = [r for r in rows if "loss/policy" in r][-1]
     assert last["ray/engine_restarts"] == 1 and last["ray/requeued_requests"] > 0
     assert last["engine/version"] == steps
+    if weight_sync:  # every push went by broadcast; the one after the kill built a new group
+        assert last["ray/weight_broadcasts"] == steps and last.get("ray/weight_broadcast_fallbacks", 0) <= 1
 
 
 def test_a_killed_trainer_rank_fails_the_run_and_resume_continues(tiny_run, tmp_path):

@@ -347,3 +347,107 @@ def test_the_lockstep_loop_is_refused_on_ray_naming_the_fields():
 
     with pytest.raises(ValueError, match="deterministic=true .* needs backend.kind=local"):
         check_buildable(load_config(None, [*SMALL, "deterministic=true"]))
+
+
+# ---- backend.weight_sync=broadcast ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def broadcasting(setup, loop):
+    """A second backend whose pushes go through the weight group (gloo here), beside the module's own."""
+    settings = ray_settings(load_config(None, [*SMALL, "backend.weight_sync=broadcast"]))
+    assert (settings.weight_sync, settings.weight_backend) == ("broadcast", "gloo")
+    backend = start_ray_backend(settings, setup.parts)
+    yield backend
+    loop.run_until_complete(backend.close())
+
+
+def _train_moving(backend, setup, loop, tag):
+    """One optimizer step that moves the weights: rewards that differ, so the advantages are not all zero."""
+    rows = loop.run_until_complete(_rows(backend, setup, [f"{tag}{i}" for i in range(8)]))
+    rows = [dataclasses.replace(row, verdict=Verdict(reward=float(n % 2), passed=n % 2 == 1))
+            for n, row in enumerate(rows)]
+    loop.run_until_complete(backend.train(rows))
+
+
+def _engine_weights(engine):
+    return ray.get(engine.actor.__ray_call__.remote(
+        lambda actor: {name: t.clone() for name, t in actor.engine.engine.model.state_dict().items()}))
+
+
+def _assert_engines_hold_rank_0s_weights(backend):
+    expected = ray.get(backend.trainer.weights_ref())
+    for engine in backend.engines:
+        held = _engine_weights(engine)
+        assert all(torch.equal(held[name], tensor) for name, tensor in expected.items()), engine.name
+
+
+def test_a_broadcast_push_gives_every_engine_rank_0s_weights_bit_for_bit(broadcasting, setup, loop):
+    before = _engine_weights(broadcasting.engines[0])
+    _train_moving(broadcasting, setup, loop, "s")
+    assert loop.run_until_complete(broadcasting.push_weights()) == 1
+    assert broadcasting.counts["weight_broadcasts"] == 1 and broadcasting.counts["weight_broadcast_fallbacks"] == 0
+    assert [ray.get(e.actor.ping.remote()) for e in broadcasting.engines] == [1, 1]
+    _assert_engines_hold_rank_0s_weights(broadcasting)
+    after = _engine_weights(broadcasting.engines[0])
+    assert any(not torch.equal(before[name], after[name]) for name in before), "the push changed no weight"
+    ids = [f"b{i}" for i in range(8)]
+
+    async def run():
+        submit(broadcasting, setup, ids)
+        return await drain(broadcasting, ids)
+
+    assert all(set(g.policy_versions) == {1} for g in loop.run_until_complete(run()).values())
+
+
+def test_an_engine_that_misses_a_broadcast_gets_the_weights_through_the_object_store(broadcasting, setup, loop):
+    """Engine 0 leaves the group before a push: it cannot receive, the push falls back for whoever missed it,
+    and the next push builds a new generation that reaches both engines again."""
+    ray.get(broadcasting.engines[0].actor.__ray_call__.remote(lambda actor: actor.leave_weight_group()))
+    fallbacks = broadcasting.counts["weight_broadcast_fallbacks"]
+    generation = broadcasting._broadcaster.generation
+    _train_moving(broadcasting, setup, loop, "m")
+    version = loop.run_until_complete(broadcasting.push_weights())
+    assert broadcasting.counts["weight_broadcast_fallbacks"] == fallbacks + 1
+    assert [ray.get(e.actor.ping.remote()) for e in broadcasting.engines] == [version, version]
+    _assert_engines_hold_rank_0s_weights(broadcasting)
+    assert all(e.healthy for e in broadcasting.engines), "a missed broadcast is not a lost engine"
+    _train_once(broadcasting, setup, loop)
+    version = loop.run_until_complete(broadcasting.push_weights())
+    assert broadcasting.counts["weight_broadcast_fallbacks"] == fallbacks + 1, "the new generation reached both"
+    assert broadcasting._broadcaster.generation == generation + 1 and broadcasting._broadcaster.failures == 0
+    assert [ray.get(e.actor.ping.remote()) for e in broadcasting.engines] == [version, version]
+    _assert_engines_hold_rank_0s_weights(broadcasting)
+
+
+def test_a_killed_engine_catches_up_from_rank_0_and_rejoins_the_group(broadcasting, setup, loop):
+    """After a broadcast nothing in the object store holds the weights: a restarted engine loads rank 0's
+    versioned weights, and the next push builds a group with it again."""
+    _train_once(broadcasting, setup, loop)
+    version = loop.run_until_complete(broadcasting.push_weights())
+    restarts, generation = broadcasting.counts["engine_restarts"], broadcasting._broadcaster.generation
+    ids = [f"kb{i}" for i in range(16)]
+
+    async def run():
+        submit(broadcasting, setup, ids)
+        await asyncio.sleep(0)
+        ray.kill(broadcasting.engines[1].actor, no_restart=False)
+        got = await drain(broadcasting, ids)
+        await until_healthy(broadcasting)
+        return got
+
+    got = loop.run_until_complete(run())
+    assert sorted(got) == sorted(ids) and broadcasting.counts["engine_restarts"] == restarts + 1
+    assert ray.get(broadcasting.engines[1].actor.ping.remote()) == version
+    _assert_engines_hold_rank_0s_weights(broadcasting)
+    _train_once(broadcasting, setup, loop)
+    fallbacks = broadcasting.counts["weight_broadcast_fallbacks"]
+    version = loop.run_until_complete(broadcasting.push_weights())
+    assert broadcasting._broadcaster.generation == generation + 1
+    assert broadcasting.counts["weight_broadcast_fallbacks"] == fallbacks
+    assert [ray.get(e.actor.ping.remote()) for e in broadcasting.engines] == [version, version]
+    _assert_engines_hold_rank_0s_weights(broadcasting)
+
+
+def test_weight_sync_broadcast_is_refused_without_ray_naming_the_field():
+    with pytest.raises(ValueError, match="backend.weight_sync=broadcast .* set backend.kind=ray"):
+        load_config(None, [*SMALL, "backend.kind=local", "backend.weight_sync=broadcast"])
