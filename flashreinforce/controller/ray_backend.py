@@ -154,6 +154,8 @@ class RayBackend:
         self.timeout_s = settings.health_timeout_s
         self._weights: tuple[int, Any] = (version, None)
         """(version, ref of its weights) the engines must hold; None: those they were built with."""
+        self.push_seconds = 0.0
+        """The last push's wall time, rank 0's read of its weights included."""
         self._broadcaster = (WeightBroadcaster(trainer, settings.weight_backend, settings.health_timeout_s)
                              if settings.weight_sync == "broadcast" else None)
         for engine in engines:
@@ -403,7 +405,13 @@ class RayBackend:
         """Rank 0's weights into every healthy engine, between two of its decoding steps: by the weight group
         (backend.weight_sync=broadcast), and through the object store for the engines it did not reach (every
         engine, without a group). An engine restarting now loads them when it is back, before it takes work."""
-        version, engines = self.trainer.version, [e for e in self.engines if e.healthy]
+        started = time.perf_counter()
+        try:
+            return await self._push(self.trainer.version, [e for e in self.engines if e.healthy])
+        finally:
+            self.push_seconds = time.perf_counter() - started
+
+    async def _push(self, version: int, engines: list[_Engine]) -> int:
         if self._broadcaster is not None and self._broadcaster.usable and engines:
             self.counts["weight_broadcasts"] += 1
             answers = await self._broadcaster.push(engines, self._ask)
@@ -464,6 +472,7 @@ class RayBackend:
             # of the engines that generate: a restarting one catches up before it takes work
             "engine/version": float(min(e.version for e in live)),
             "ray/healthy_engines": float(sum(e.healthy for e in self.engines)),
+            "ray/weight_push_seconds": self.push_seconds,
         }
         metrics.update({f"ray/{k}": float(v) for k, v in self.counts.items()})
         metrics.update({f"verifier/{k}": float(v) for k, v in self.verifiers.stats().items()})
