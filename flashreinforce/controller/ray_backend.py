@@ -291,6 +291,10 @@ class RayBackend:
                 if lost.hung:
                     ray.kill(engine.actor, no_restart=False)
                 continue
+            except Exception as failure:  # noqa: BLE001 - no restart mends it (a stopped trainer): the loop raises it
+                self._fatal = failure
+                self._wake.set()
+                return
             engine.recovery = None
             log.warning("engine actor %s is back, at version %d", engine.name, engine.version)
             self._schedule_routing()
@@ -319,8 +323,10 @@ class RayBackend:
         while True:
             version, weights = self._weights
             if weights is _FROM_TRAINER:
-                version = await self._ask(engine, engine.actor.load_versioned.remote(
-                    self.trainer.versioned_weights_ref()), "load_weights")
+                ref = self.trainer.versioned_weights_ref()
+                # Rank 0 answers once a step it may be running ends: that wait is not the engine's to miss.
+                await asyncio.to_thread(ray.wait, [ref], timeout=self.settings.step_timeout_s, fetch_local=False)
+                version = await self._ask(engine, engine.actor.load_versioned.remote(ref), "load_weights")
             elif weights is not None:
                 await self._ask(engine, engine.actor.load_weights.remote(weights, version), "load_weights")
             engine.version = version

@@ -4,7 +4,6 @@ group of its own (as the Ray backend's trainer rank 0 and engine actors each hol
 import threading
 import time
 
-import pytest
 import torch
 
 from flashreinforce.rollout.weight_broadcast import WeightGroup, WeightGroupSpec
