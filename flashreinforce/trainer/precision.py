@@ -12,7 +12,7 @@ with the very weights the rollout engine loads (train-inference consistency).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -53,9 +53,7 @@ class MasterWeights:
 
     def grads_to_masters(self) -> None:
         """Each master's grad := its parameter's grad in fp32; the low-precision grad is released."""
-        for _, param, master, _ in self._pairs:
-            master.grad = None if param.grad is None else param.grad.float()
-            param.grad = None
+        move_grads_to_masters((param, master) for _, param, master, _ in self._pairs)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -79,3 +77,10 @@ class MasterWeights:
                                  "parameter of this model; resume with the model the checkpoint was written for")
             stepped[name].copy_(tensor)
         self.copy_to_model()
+
+
+def move_grads_to_masters(pairs: Iterable[tuple[torch.nn.Parameter, torch.nn.Parameter]]) -> None:
+    """For each (parameter, master): the master's grad := the parameter's in fp32; the parameter's is released."""
+    for param, master in pairs:
+        master.grad = None if param.grad is None else param.grad.float()
+        param.grad = None

@@ -45,6 +45,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from flashreinforce.models.numerics import Numerics, format_tensor, fp8_parameter_names
+from flashreinforce.trainer.precision import move_grads_to_masters
 
 SHARDINGS = ("replicate", "fsdp")
 
@@ -108,9 +109,7 @@ class ShardedMasters:
 
     def grads_to_masters(self) -> None:
         """Each master shard's grad := its parameter shard's grad in fp32 (already summed over the ranks)."""
-        for _, param, master in self._pairs:
-            master.grad = None if param.grad is None else param.grad.float()
-            param.grad = None
+        move_grads_to_masters((param, master) for _, param, master in self._pairs)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
