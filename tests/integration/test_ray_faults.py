@@ -69,9 +69,13 @@ def test_a_killed_engine_is_restarted_and_the_run_loses_nothing(tiny_run, tmp_pa
     _assert_exactly_once(run_dir, steps)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "loss/policy" in r][-1]
-    assert last["ray/engine_restarts"] == 1 and last["ray/requeued_requests"] > 0
-    assert last["engine/version"] == steps
-    if weight_sync:  # every push went by broadcast; the one after the kill built a new group
+    assert last["ray/engine_restarts"] == 1
+    assert last["engine/version"] == steps  # the restarted engine too (the minimum over live engines)
+    if not weight_sync:
+        assert last["ray/requeued_requests"] > 0
+    else:  # every push went by broadcast (the one after the kill built a new group), at most one fell back
+        # The kill follows the checkpoint's appearance: the sharded ranks' checkpoint is gathered while the engines
+        # are paused, so engine 0 may hold no requests when it dies (requeueing is the first variant's check).
         assert last["ray/weight_broadcasts"] == steps and last.get("ray/weight_broadcast_fallbacks", 0) <= 1
 
 
