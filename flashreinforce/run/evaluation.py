@@ -20,7 +20,7 @@ from flashreinforce.run.backends import (
 )
 from flashreinforce.run.data import load_data
 from flashreinforce.run.directory import read_run_config
-from flashreinforce.run.engines import EngineShape, build_engine, prompt_room
+from flashreinforce.run.engines import EngineShape, build_engine, model_context, prompt_room
 from flashreinforce.run.policy import load_policy
 from flashreinforce.trainer.checkpoint import latest_checkpoint
 from flashreinforce.types import SamplingParams
@@ -75,7 +75,8 @@ def evaluate_checkpoint(request: EvalRequest) -> dict:
                             stop_strings=tuple(config.env.stop_strings))
     policy = load_policy(model_dir)
     episodes = build_episodes(config, policy.tokenizer)
-    shape = EngineShape(prompt_room(config, episodes, prompts), params.max_new_tokens, version=0, seed=request.seed)
+    room = prompt_room(config, episodes, prompts, model_context(policy.model))
+    shape = EngineShape.of(room, params.max_new_tokens, version=0, seed=request.seed)
     engine = build_engine(config, policy, shape)
 
     async def run() -> dict:

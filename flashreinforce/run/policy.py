@@ -104,14 +104,18 @@ def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporte
 def tiny_policy(config: RunConfig) -> Policy:
     """The task's characters, one token each, plus its tags as single special tokens; a small Qwen2-style
     model of model.tiny's shape."""
-    task = TASKS[config.data.kind]
-    tokenizer = build_char_tokenizer(task.alphabet, special_tokens=("<pad>", "<eos>", "<unk>", *task.special_tokens))
+    tokenizer = tiny_tokenizer(config)
     tiny = config.model.tiny
     model = build_model(len(tokenizer), tiny.hidden_size, tiny.num_layers, tiny.num_heads,
                         tiny.max_position_embeddings, pad_token_id=tokenizer.pad_token_id,
                         eos_token_id=tokenizer.eos_token_id, seed=config.seed, num_experts=tiny.num_experts,
                         experts_per_token=tiny.experts_per_token)
     return Policy(tokenizer, model)
+
+
+def tiny_tokenizer(config: RunConfig) -> Any:
+    task = TASKS[config.data.kind]
+    return build_char_tokenizer(task.alphabet, special_tokens=("<pad>", "<eos>", "<unk>", *task.special_tokens))
 
 
 def warm_start(config: RunConfig, data: Data, policy: Policy, reporter: Reporter) -> None:

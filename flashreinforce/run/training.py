@@ -39,7 +39,7 @@ from flashreinforce.run.backends import (
 )
 from flashreinforce.run.data import Data, load_data
 from flashreinforce.run.directory import create_run_dir, read_json, write_json_atomic
-from flashreinforce.run.engines import EngineShape, longest_prompt, rollout_params
+from flashreinforce.run.engines import EngineShape, check_tiny_context, longest_prompt, model_context, rollout_params
 from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
 from flashreinforce.run.policy import Policy, build_policy, load_policy, seed_everything
 from flashreinforce.run.scheduling import build_run_scheduler
@@ -117,8 +117,8 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
     """Build the run's parts; `stack` closes each one that was opened, whatever fails later. The backend builds
     its own engine, trainer and verifier pool: in this process, or in Ray actors (run/backends.py)."""
     episodes = build_episodes(config, start.policy.tokenizer)
-    shape = EngineShape(longest_prompt(config, episodes, data), config.rollout.max_new_tokens, start.version,
-                        config.seed)
+    room = longest_prompt(config, episodes, data, model_context(start.policy.model))
+    shape = EngineShape.of(room, config.rollout.max_new_tokens, start.version, config.seed)
     opened = open_backend(config, start.policy, shape, stack)
     scheduler = build_run_scheduler(config, data.train)
     sink = MetricsSink(run_dir, tensorboard=config.log.tensorboard, wandb=config.log.wandb,
@@ -137,6 +137,7 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
 async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Reporter) -> dict[str, Any]:
     started = time.perf_counter()
     data = load_data(config)
+    check_tiny_context(config, data)
     start = starting_point(config, run_dir, data, resume, reporter)
     async with contextlib.AsyncExitStack() as stack:
         parts = open_parts(config, run_dir, data, start, resume, stack)

@@ -38,7 +38,7 @@ def test_a_gpu_recipe_starts_and_stops_only_at_what_this_machine_lacks(recipe, t
 def test_the_engine_context_is_the_longest_prompt_plus_the_budget_and_the_model_must_hold_it(tiny_run):
     config = load_config(None, tiny_run)
     policy, data = tiny_policy(config), load_data(config)
-    longest = longest_prompt(config, build_episodes(config, policy.tokenizer), data)
+    longest = longest_prompt(config, build_episodes(config, policy.tokenizer), data).tokens
     engine = build_engine(config, policy, EngineShape(longest, 40, version=3, seed=0))
     assert engine.max_context == longest + 40 and engine.version == 3
     assert engine.model is not policy.model  # the engine decodes its own copy of the weights
@@ -60,3 +60,31 @@ def test_a_saved_character_tokenizer_keeps_spaces_and_newlines_beside_a_qwen2_co
     loaded = load_tokenizer(tmp_path)
     ids = tokenizer.encode("a b\nb", add_special_tokens=False)
     assert loaded.encode("a b\nb", add_special_tokens=False) == ids and loaded.decode(ids) == "a b\nb"
+
+
+def test_an_episodes_first_prompt_room_fits_the_model_unless_set_and_a_setting_too_big_is_named(tiny_run):
+    """Unset, env.max_prompt_tokens takes what the model's context leaves after the budget (at most 512), so a
+    multi-turn run on the default model starts; set too high, the error names env.max_prompt_tokens."""
+    from flashreinforce.run.engines import FIRST_PROMPT_ROOM, model_context
+
+    config = load_config(None, ["env.kind=my_env.py:Guess", "rollout.max_new_tokens=64"])
+    policy, data = tiny_policy(config), load_data(config)
+    episodes = build_episodes(config, policy.tokenizer)
+    context = model_context(policy.model)
+    room = longest_prompt(config, episodes, data, context)
+    assert room.tokens == context - 64 and "env.max_prompt_tokens unset" in room.setting
+    assert build_engine(config, policy, EngineShape.of(room, 64, 0, 0)).max_context == context
+    assert longest_prompt(config, episodes, data, 8192).tokens == FIRST_PROMPT_ROOM  # a real model's context
+
+    config = load_config(None, ["env.kind=my_env.py:Guess", "env.max_prompt_tokens=512"])
+    room = longest_prompt(config, episodes, data, context)
+    with pytest.raises(ValueError, match=rf"512 prompt tokens \(env.max_prompt_tokens=512, .*\) plus "
+                                         rf"max_new_tokens=64 need 576 positions but the model has {context}"):
+        build_engine(config, policy, EngineShape.of(room, 64, 0, 0))
+
+
+def test_a_tiny_model_that_cannot_hold_the_run_stops_before_its_warm_start(tiny_run, tmp_path):
+    config = load_config(None, [*tiny_run, "rollout.max_new_tokens=200", "sft.steps=100000"])
+    with pytest.raises(ValueError, match="max_new_tokens=200 need .* positions but the model has"):
+        run_training(config, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run" / "sft").exists()

@@ -45,6 +45,6 @@ def test_the_trainer_and_engine_compute_on_the_gpu(tiny_run):
     config = load_config(None, [*tiny_run, "trainer.device=cuda", "rollout.device=cuda"])
     policy = tiny_policy(config)
     trainer = build_trainer(config, policy.model, policy.tokenizer)
-    shape = EngineShape(longest_prompt(config, build_episodes(config, policy.tokenizer), load_data(config)), 16, 0, 0)
+    shape = EngineShape.of(longest_prompt(config, build_episodes(config, policy.tokenizer), load_data(config)), 16, 0, 0)
     engine = build_engine(config, policy, shape)
     assert next(trainer.model.parameters()).is_cuda and next(engine.model.parameters()).is_cuda
