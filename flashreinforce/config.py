@@ -1,6 +1,7 @@
 """The run configuration: a tree of pydantic models, loaded from a YAML recipe plus dotted overrides.
 
-Every field is documented by the string under it (that text is also what `--help-config` prints).
+Every field is documented by the string under it (that text is also what `flashreinforce config` prints, and
+docs/config.md).
 Errors name the dotted field and say what to do. The resolved config is written into the run directory.
 This module is configuration only: builders elsewhere turn it into flat arguments.
 """
@@ -602,7 +603,8 @@ def format_validation_error(error: ValidationError) -> str:
         field = ".".join(str(part) for part in item["loc"]) or "(top level)"
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            message = "unknown field (check the spelling; `flashreinforce train --dry-run` shows every field)"
+            message = ("unknown field (check the spelling; `flashreinforce config "
+                       f"{item['loc'][0] if len(item['loc']) > 1 else ''}` lists the fields with their docs)")
         lines.append(f"  {field}: {message}")
     return "invalid config:\n" + "\n".join(lines)
 

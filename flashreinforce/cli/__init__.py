@@ -1,10 +1,11 @@
-"""The command line: `flashreinforce train | sft | eval | plot | bench | sandbox | models`.
+"""The command line: `flashreinforce train | sft | eval | plot | config | bench | sandbox | models`.
 
     flashreinforce train                                  # the default CPU recipe
     flashreinforce train arithmetic_grpo trainer.lr=1e-4  # a shipped recipe (or a .yaml path) + dotted overrides
     flashreinforce train --dry-run scheduler.kind=urb     # print the resolved config and exit
     flashreinforce train --resume runs/arithmetic-...     # continue a run from its latest checkpoint
     flashreinforce eval runs/arithmetic-.../checkpoints/step_000120 --k 8
+    flashreinforce config trainer                         # every field of a section: type, default, doc
     flashreinforce sandbox attempt.py --timeout 10        # run a file as the python tool would, isolated
     MODEL=$(flashreinforce models get smollm2-135m-instruct | tail -1)  # a real model, converted once
 """
@@ -71,6 +72,13 @@ def _plot(args: argparse.Namespace) -> None:
 
     for name, where in plot_run(args.run_dir).items():
         print(f"{name}: {where}")
+
+
+def _config(args: argparse.Namespace) -> None:
+    from flashreinforce.run.config_reference import as_markdown, as_text, field_docs, select
+
+    docs = select(list(field_docs()), args.section)
+    print(as_markdown(docs) if args.markdown else as_text(docs), end="")
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -155,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="(re)draw a run's plots from its metrics.jsonl")
     plot.add_argument("run_dir", type=Path)
     plot.set_defaults(run=_plot)
+
+    config = commands.add_parser("config", help="every config field with its type, default and doc "
+                                                "(`train --dry-run` prints a resolved config instead)")
+    config.add_argument("section", nargs="?", help="a section (trainer), a sub-section (algo.hints) or a field "
+                                                   "(trainer.lr); all of them by default")
+    config.add_argument("--markdown", action="store_true", help="as the tables of docs/config.md")
+    config.set_defaults(run=_config)
 
     bench = commands.add_parser("bench", help="run a benchmark from benchmarks/ (loss, engine, schedulers, vs-trl)")
     bench.add_argument("name")
