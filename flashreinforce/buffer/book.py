@@ -184,10 +184,16 @@ class GroupBook:
         return cancel
 
     def keep(self, group: Group, group_filter: GroupFilter | None) -> bool:
-        """Apply the optional group filter (DAPO dynamic sampling) to a complete group; drop it if rejected."""
-        if group_filter is None or group_filter(group.trajectories()):
+        """Whether a complete group goes on to be trained; if not, it is dropped whole with the reason.
+
+        A group with a rollout that sampled nothing (its environment's reset failed) is dropped first: that
+        row can never be trained, and its siblings alone would give a group baseline over fewer rollouts than
+        the group has, so it goes like a filtered group. Then the optional filter (DAPO dynamic sampling).
+        """
+        reason = untrainable(group.trajectories())
+        if reason is None and (group_filter is None or group_filter(group.trajectories())):
             return True
-        self.retire(group, "filtered")
+        self.retire(group, reason or "filtered")
         return False
 
     # -- queries ---------------------------------------------------------------------------------------
@@ -269,6 +275,15 @@ def group_from_state(state: dict, prompt_at: PromptAt) -> Group:
         key = RolloutKey(prompt.id, sample)
         group.parked[key] = RolloutTask(key, prompt, position, admitted_version, group.first_version, partial)
     return group
+
+
+def untrainable(trajectories: list[Trajectory]) -> str | None:
+    """Why a group cannot be trained, None if it can: a rollout with no sampled token ("env_error" when its
+    environment failed before the first turn, else "empty")."""
+    empty = [t for t in trajectories if not t.num_policy_tokens]
+    if not empty:
+        return None
+    return "env_error" if any(t.finish_reason == "env_error" for t in empty) else "empty"
 
 
 def trajectory_oldest(trajectory: Trajectory) -> int | None:

@@ -40,7 +40,8 @@ class Scheduler(Protocol):
         """At most free_slots tasks to start (parked resumes first). `version`: the engine's weight version."""
 
     def on_finished(self, trajectory: Trajectory) -> None:
-        """A task finished generation and verification."""
+        """A task finished generation and verification. One that sampled nothing (its environment failed before
+        the first turn) can never be trained: its group is dropped whole, "env_error", once it completes."""
 
     def on_aborted(self, task: RolloutTask, partial: Generation) -> None:
         """A task was aborted: preempted, an april update, or cancelled by on_version. Resumed later unless

@@ -3,7 +3,8 @@
 Iteration t admits B groups from the data cursor (positions [t*B, (t+1)*B) when nothing is filtered), at
 most as many rollouts as there are free slots at a time, and nothing more until the batch is trained AND
 the engine holds the new weights (admit's `version` is past the last trained step). So every token is
-trained with lag 0 and the slowest rollout sets the pace. A filtered group is replaced by the next prompt.
+trained with lag 0 and the slowest rollout sets the pace. A filtered group, or one dropped because a rollout
+of it sampled nothing (env_error), is replaced by the next prompt.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ and version + s, s = data groups consumed without a step (all filtered, below). 
 D_t the engine still holds the version before it, and a group admitted then must not be N groups ahead
 (its tokens would be N stale).
 
-Filtering (DAPO) stays inside D_t: the batch is D_t's kept groups, never topped up from D_{t+1}. If every
+Filtering (DAPO) stays inside D_t: the batch is D_t's kept groups, never topped up from D_{t+1} (a group
+dropped because a rollout of it sampled nothing, env_error, counts as filtered here). If every
 group of D_t is filtered, take_batch returns [] and consumes D_t: the controller skips the optimizer step
 (the version does not change) and calls take_batch again with the same version. Such a D_t takes no
 version, so the version that trains D_g is at most g - s, and anchoring at version + s keeps both the lag

@@ -238,7 +238,8 @@ class EpisodeBackend:
         self.inner.submit(rid, row.prompt_ids, row.params, prefix=row)
 
     def _empty(self, rid: str) -> Generation:
-        """A row for an episode whose reset failed: the bare prompt, nothing sampled."""
+        """A row for an episode whose reset failed: the bare prompt, nothing sampled. It can never be trained:
+        the scheduler records its group dropped ("env_error") and the run goes on (GroupBook.keep)."""
         params = self._params[rid]
         return Generation(request_id=rid, prompt_ids=tuple(self.episodes.prompt_ids(self._prompts[rid])),
                           token_ids=(), behavior_logprobs=(), policy_versions=(), loss_mask=(),

@@ -8,10 +8,12 @@ import random
 import sys
 
 import pytest
-from buffer_sim import build, check_exactly_once, drive, finished, keys, make_prompt_at, partial, restorer
+from buffer_sim import (PROMPT_IDS, build, check_exactly_once, drive, finished, keys, make_prompt_at, partial,
+                        restorer)
 
 import flashreinforce.buffer
 from flashreinforce.buffer import SCHEDULERS, build_scheduler, scheduler_options
+from flashreinforce.types import FORCED_VERSION, Trajectory, Verdict
 
 KINDS = [
     ("sync", {}),
@@ -180,3 +182,32 @@ def test_a_checkpoint_written_before_group_versions_and_skipped_groups_were_kept
     resumed, fresh = restored.admit(free_slots=2, version=1)
     assert resumed.key == second.key and resumed.partial == partial(second, (0,))
     assert fresh.key == ("p1", 1) and fresh.group_version == 1  # its group's version is set at its next admission
+
+
+def failed_reset(task) -> Trajectory:
+    """What an episode whose environment reset failed comes back as: the bare prompt, nothing sampled."""
+    return dataclasses.replace(finished(task), tokens=PROMPT_IDS, loss_mask=(0,) * len(PROMPT_IDS),
+                               behavior_logprobs=(0.0,) * len(PROMPT_IDS),
+                               policy_versions=(FORCED_VERSION,) * len(PROMPT_IDS), finish_reason="env_error",
+                               verdict=Verdict(0.0, False, "env_error: ValueError: no layout"))
+
+
+@pytest.mark.parametrize("kind, options", KINDS, ids=[f"{k}-{'-'.join(map(str, o.values()))}" for k, o in KINDS])
+def test_a_group_with_a_rollout_whose_environment_failed_is_dropped_as_env_error_and_never_trained(kind, options):
+    """The failed rollout sampled nothing, so it can never be trained; its group goes whole, like a filtered one
+    (a group baseline over fewer rollouts than the group is not the loss the run asked for), and the run goes on."""
+    s = build(kind, batch_groups=2, group_size=2, **options)
+    batch = None
+    for _ in range(20):
+        for task in s.admit(free_slots=4, version=0):
+            s.on_finished(failed_reset(task) if task.key == ("p1", 1) else finished(task))
+        if (batch := s.take_batch(0)) is not None:
+            break
+    assert batch is not None, f"{kind}: no batch came after a failed environment; {s.stats()}"
+    groups = sorted({t.group for t in batch})
+    # urb trains exactly D_0 minus the dropped group; the others take the next prompt in its place
+    assert groups == ([0] if kind == "urb" else [0, 2])
+    assert all(t.num_policy_tokens > 0 for t in batch)
+    assert {k: r for k, r in s.ledger.dropped().items()} == {("p1", 0): "env_error", ("p1", 1): "env_error"}
+    assert s.stats()["buffer/dropped_env_error"] == 2
+    s.ledger.check()

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from flashreinforce.buffer import build_scheduler
 from flashreinforce.controller.episodes import (
     EpisodeBackend,
     EpisodeSettings,
@@ -20,7 +21,7 @@ from flashreinforce.controller.episodes import (
 )
 from flashreinforce.envs.pool import EnvPool
 from flashreinforce.envs.protocol import EnvSpec
-from flashreinforce.envs.single_turn import TextEpisodes
+from flashreinforce.envs.single_turn import TextEpisodes, to_trajectory
 from flashreinforce.models import build_char_tokenizer
 from flashreinforce.types import (
     FORCED_VERSION,
@@ -40,6 +41,8 @@ ENV_MODULE = textwrap.dedent('''
 
     class Echo:
         def reset(self, prompt, seed):
+            if prompt.id == "broken":
+                raise ValueError("no game for broken")
             self.n = 0
             return f"seed {seed}"
 
@@ -501,3 +504,48 @@ def test_an_episode_paused_during_its_reset_is_handed_back_by_abort_and_can_star
 
     row = asyncio.run(main())
     assert row.finish_reason == "stop" and row.episode.actions == ("go", "look", "take")
+
+
+def test_a_raising_reset_ends_only_its_episode_and_the_scheduler_drops_it_as_env_error(env_spec):
+    """Nothing was sampled, so the row can never be trained: it is recorded dropped ("env_error") in the
+    exactly-once ledger and counted, never handed to the trainer, and the other episode trains as usual."""
+    prompts = {"p0": PROMPT, "broken": dataclasses.replace(PROMPT, id="broken")}
+    scheduler = build_scheduler("stream", prompt_at=lambda i: prompts[("p0", "broken")[i % 2]], batch_groups=1,
+                                group_size=1, max_staleness=1)
+
+    async def main():
+        pool = EnvPool(env_spec, step_timeout_s=10, max_workers=1)
+        await pool.start()
+        try:
+            backend = ScriptedBackend({"p0#0": ["go", "look", "take"], "broken#0": ["go"]})
+            episodes = EpisodeBackend(backend, TextEpisodes(TOKENIZER), pool=pool,
+                                      settings=EpisodeSettings(max_turns=5, reward="both"))
+            tasks = {f"{t.key.prompt_id}#{t.key.sample}": t for t in scheduler.admit(free_slots=2, version=0)}
+            assert sorted(tasks) == ["broken#0", "p0#0"]
+            for rid, task in tasks.items():
+                episodes.start(rid, task.prompt, params())
+            rows = await collect(episodes, 2)
+            verdicts = await episodes.judge(rows)
+            assert not pool.stats()["sessions"]
+            return rows, verdicts, backend, episodes
+        finally:
+            await pool.aclose()
+
+    rows, verdicts, backend, episodes = asyncio.run(main())
+    by_id = {row.request_id: (row, verdict) for row, verdict in zip(rows, verdicts)}
+    broken, verdict = by_id["broken#0"]
+    assert broken.finish_reason == "env_error" and broken.token_ids == () and not broken.loss_mask
+    assert broken.episode.end == "env_error: ValueError: no game for broken"
+    assert verdict == Verdict(0.0, False, "env_error: ValueError: no game for broken")
+    assert [text for text, _ in backend.scored] == ["take"]  # the verifier is not asked about the broken one
+    assert episodes.counts == {"end/env_error": 1, "end/done": 1}
+    assert by_id["p0#0"][0].episode.actions == ("go", "look", "take")
+
+    tasks = {f"{t.key.prompt_id}#{t.key.sample}": t for t in scheduler.book.in_flight.values()}
+    for row, verdict in zip(rows, verdicts):
+        task = tasks[row.request_id]
+        scheduler.on_finished(to_trajectory(task.key, task.prompt, task.group, row, verdict))
+    assert [t.key.prompt_id for t in scheduler.take_batch(0)] == ["p0"]
+    assert scheduler.take_batch(1) is None  # the broken one never reaches the trainer
+    assert scheduler.ledger.dropped() == {("broken", 0): "env_error"}
+    assert scheduler.stats()["buffer/dropped_env_error"] == 1 and scheduler.stats()["buffer/outstanding"] == 0
