@@ -46,9 +46,15 @@ class RankGroup:
 
 
 def join_group(group: RankGroup, timeout_s: float = 300.0) -> None:
-    """Join the trainer's process group (blocks until all world_size ranks have joined, or times out)."""
+    """Join the trainer's process group (blocks until all world_size ranks have joined, or times out).
+
+    An NCCL rank first makes its own GPU the current one: NCCL's object collectives (all_gather_object) stage
+    on the current device, which is GPU 0 in every process that did not choose, and NCCL rejects or hangs on
+    ranks that share a GPU."""
     if dist.is_initialized():
         raise RuntimeError("this process already joined a torch.distributed group; one trainer rank per process")
+    if group.backend == "nccl":
+        torch.cuda.set_device(rank_gpu(group.rank))
     timeout = datetime.timedelta(seconds=timeout_s)
     if not group.launcher_store:
         dist.init_process_group(group.backend, init_method=group.init_method, rank=group.rank,
@@ -58,6 +64,12 @@ def join_group(group: RankGroup, timeout_s: float = 300.0) -> None:
     store = dist.TCPStore(address.hostname, address.port, is_master=False, timeout=timeout)
     dist.init_process_group(group.backend, store=store, rank=group.rank, world_size=group.world_size,
                             timeout=timeout)
+
+
+def rank_gpu(rank: int) -> torch.device:
+    """The GPU a rank computes on: GPU `rank` of those visible, modulo their count (the one GPU a Ray actor
+    sees), the same choice as run/devices.py's resolve_device for its trainer."""
+    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 def launcher_store(host: str = "127.0.0.1") -> tuple[dist.TCPStore, str]:
