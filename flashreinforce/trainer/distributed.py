@@ -79,11 +79,6 @@ def launcher_store(host: str = "127.0.0.1") -> tuple[dist.TCPStore, str]:
     return store, f"tcp://{host}:{store.port}"
 
 
-def leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @dataclass(frozen=True)
 class Shard:
     """This process's place in the trainer group (rank 0 of 1 without torch.distributed)."""
