@@ -143,6 +143,8 @@ class EnvPool:
         self._workers: list[_Worker] = []
         self._sessions: dict[str, _Session] = {}
         self._free = asyncio.Condition()
+        self._starting = 0
+        """Workers starting for a call, outside the lock: they count toward max_workers."""
         self.counts: Counter[str] = Counter()
         self.busy_seconds = 0.0
         """Wall time summed over calls: the environment-busy time of the schedulers benchmark."""
@@ -254,18 +256,27 @@ class EnvPool:
                 if worker is None:
                     session.worker = None
                     idle = [w for w in self._workers if not w.busy]
-                    if not idle and len(self._workers) < self.max_workers:
-                        idle = [await self._spawn()]
+                    if not idle and len(self._workers) + self._starting < self.max_workers:
+                        self._starting += 1  # counted now, so that concurrent calls never pass max_workers
+                        break
                     worker = min(idle, key=lambda w: len(w.sessions)) if idle else None
                 if worker is not None and not worker.busy:
                     worker.busy = True
                     return worker
                 await self._free.wait()
+        # Started outside the lock: a start takes seconds (a user environment's imports), and calls to the other
+        # workers, and the release of one that just answered, must not wait for it.
+        try:
+            return await self._spawn(busy=True)  # busy from the first moment: it is this session's
+        finally:
+            self._starting -= 1
+            async with self._free:  # a failed start leaves room for another
+                self._free.notify_all()
 
     # ---- workers ------------------------------------------------------------------------------------------
 
-    async def _spawn(self) -> _Worker:
-        worker = _Worker(self.start_worker())
+    async def _spawn(self, busy: bool = False) -> _Worker:
+        worker = _Worker(self.start_worker(), busy=busy)
         try:
             kind, reason = await worker.link.start(self.spec, _STARTUP_TIMEOUT_S)
         except WorkerLost as lost:

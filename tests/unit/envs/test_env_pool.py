@@ -311,3 +311,61 @@ def test_an_environment_that_cannot_be_built_fails_at_start_naming_env_kind(env_
 def test_bad_worker_counts_are_refused(env_dir):
     with pytest.raises(ValueError, match="min_workers"):
         EnvPool(spec(env_dir, "EchoEnv"), min_workers=3, max_workers=2)
+
+
+class FakeWorker:
+    """A WorkerLink without a process: its start takes `start_s`, each step 0.1 s."""
+
+    def __init__(self, start_s: float) -> None:
+        self.start_s = start_s
+
+    async def start(self, spec, timeout):
+        await asyncio.sleep(self.start_s)
+        return "ready", None
+
+    async def call(self, message, timeout):
+        if message[0] == "step":
+            await asyncio.sleep(0.1)
+        return "ok", StepResult(f"after {message[-1]}", 0.0, False, {})
+
+    def send(self, message):
+        pass
+
+    def stop(self):
+        pass
+
+
+def test_a_worker_start_does_not_hold_up_calls_to_the_workers_already_running():
+    """One more worker starts (2 s, as a slow import would) while the first one answers two 0.1 s steps: each
+    step must take its 0.1 s, not wait behind the start; the pool still grows only to max_workers."""
+    starts: list[FakeWorker] = []
+
+    def start_worker() -> FakeWorker:  # the first worker starts at once, every later one takes 2 s
+        starts.append(FakeWorker(2.0 if starts else 0.0))
+        return starts[-1]
+
+    async def main():
+        pool = EnvPool(EnvSpec(kind="fake"), step_timeout_s=10, max_workers=2, start_worker=start_worker)
+        await pool.start()
+        try:
+            await pool.reset("a", PROMPT, 1)
+            first = asyncio.ensure_future(pool.step("a", "go"))  # the one worker is busy for 0.1 s
+            await asyncio.sleep(0.01)
+            grow = asyncio.ensure_future(pool.reset("b", OTHER, 2))  # every worker busy: one more starts
+            started = time.monotonic()
+            assert (await first).failure is None
+            took_first = time.monotonic() - started
+            started = time.monotonic()
+            assert (await pool.step("a", "look")).failure is None  # on the first worker, idle again
+            took_second = time.monotonic() - started
+            assert took_first < 0.5 and took_second < 0.5, (took_first, took_second)
+            assert not grow.done() and len(starts) == 2
+            assert (await grow).failure is None
+            assert pool.stats()["workers"] == 2.0 and pool._sessions["b"].worker is not pool._sessions["a"].worker
+            third = await pool.reset("c", PROMPT, 3)  # at max_workers: c waits for an idle worker, none starts
+            assert third.failure is None and pool.stats()["workers"] == 2.0 and len(starts) == 2
+        finally:
+            await pool.aclose()
+        assert not pool._workers
+
+    run(main)
