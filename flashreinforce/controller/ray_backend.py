@@ -33,7 +33,8 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from flashreinforce.controller.ray_actors import EngineActor, EngineReport, Submission
-from flashreinforce.controller.ray_cluster import START_TIMEOUT_S, RaySettings, brief, ready, start_ray
+from flashreinforce.controller.ray_cluster import (START_TIMEOUT_S, RaySettings, brief, ready, resolve_devices,
+                                                   start_ray)
 from flashreinforce.controller.ray_trainer import RayTrainer
 from flashreinforce.controller.ray_verifiers import RayVerifiers
 from flashreinforce.controller.ray_weights import WeightBroadcaster
@@ -69,7 +70,9 @@ class RayParts:
 
 
 def start_ray_backend(settings: RaySettings, parts: RayParts) -> RayBackend:
-    """Start every actor (on the Ray this process is connected to) and wait until each has answered."""
+    """Start every actor (on the Ray this process is connected to) and wait until each has answered. Devices and
+    weight_sync left at auto are resolved here, against the GPUs of that cluster."""
+    settings = resolve_devices(settings, ray.cluster_resources())
     prefix = f"flashreinforce-{uuid.uuid4().hex[:8]}"  # actor names: ray.get_actor(f"{prefix}-engine-0")
     # The model goes into the object store once, for every actor. Ray warns at each engine's start that a
     # restart fails if that object is lost (ray#53727): the backend holds the ref for as long as they live.
@@ -77,8 +80,7 @@ def start_ray_backend(settings: RaySettings, parts: RayParts) -> RayBackend:
     engine_class = ray.remote(EngineActor)
     engines = []
     for name in (f"{prefix}-engine-{i}" for i in range(settings.num_engines)):
-        # Ray restarts a dead engine however often (max_restarts=-1); the backend gives up after a few failed tries.
-        actor = engine_class.options(name=name, num_cpus=1, num_gpus=settings.engine_gpus, max_restarts=-1).remote(
+        actor = engine_class.options(**settings.actor_options("engine", name)).remote(
             settings.torch_threads, parts.build_engine, config, policy, parts.shape)
         engines.append(_Engine(name, actor))
     verifiers = RayVerifiers(settings, parts.verifier_options, prefix)

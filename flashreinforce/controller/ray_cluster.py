@@ -6,10 +6,11 @@ Shared by the backend (ray_backend.py: the engines), its trainer ranks (ray_trai
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from ray.exceptions import RayError, RayTaskError
@@ -27,16 +28,14 @@ class RaySettings:
     engine_slots: int
     """Requests one engine decodes together (rollout.max_batch_size)."""
     world_size: int
-    rank_backend: str
-    """torch.distributed backend of the trainer ranks: gloo (CPU) or nccl (GPU)."""
     sharded_trainer: bool
     """trainer.sharding=fsdp with several ranks: reading weights, state or the model is a collective of all."""
+    rollout_device: str
+    """rollout.device: auto until resolve_devices() has read the cluster's GPUs, then cpu or cuda."""
+    trainer_device: str
+    """trainer.device, likewise."""
     weight_sync: str
-    """object_store or broadcast (controller/ray_weights.py)."""
-    weight_backend: str
-    """torch.distributed backend of the weight group: nccl (every member on a GPU) or gloo."""
-    engine_gpus: float
-    trainer_gpus: float
+    """backend.weight_sync: object_store or broadcast (controller/ray_weights.py); auto until resolved."""
     verifier_workers: tuple[int, int]
     """(min, max) verifier actors."""
     env_workers: int
@@ -45,6 +44,68 @@ class RaySettings:
     health_timeout_s: float
     step_timeout_s: float
     torch_threads: int
+
+    @property
+    def engine_gpus(self) -> float:
+        return self._gpus("rollout.device", self.rollout_device)
+
+    @property
+    def trainer_gpus(self) -> float:
+        return self._gpus("trainer.device", self.trainer_device)
+
+    @property
+    def rank_backend(self) -> str:
+        """torch.distributed backend of the trainer ranks: gloo (CPU) or nccl (GPU)."""
+        return "nccl" if self.trainer_gpus else "gloo"
+
+    @property
+    def weight_backend(self) -> str:
+        """torch.distributed backend of the weight group: nccl when every member is on a GPU, else gloo."""
+        return "nccl" if self.engine_gpus and self.trainer_gpus else "gloo"
+
+    def actor_options(self, role: Literal["engine", "trainer"], name: str) -> dict[str, Any]:
+        """Ray's options for an engine actor or a trainer rank actor: 1 CPU, and a GPU where its side is on cuda.
+        Ray restarts a dead engine however often (the backend gives up after a few failed tries); a trainer rank
+        is never restarted (its group would wait for it forever: the run stops and resumes instead)."""
+        gpus = self.engine_gpus if role == "engine" else self.trainer_gpus
+        return {"name": name, "num_cpus": 1, "num_gpus": gpus, "max_restarts": -1 if role == "engine" else 0}
+
+    @staticmethod
+    def _gpus(field: str, device: str) -> float:
+        if device == "auto":
+            raise RuntimeError(f"{field}=auto is resolved against the cluster first (resolve_devices): an actor asked "
+                               "for before that would get no GPU on a GPU cluster")
+        return float(device == "cuda")
+
+
+def resolve_devices(settings: RaySettings, cluster_resources: Mapping[str, float]) -> RaySettings:
+    """`settings` with auto sides and weight_sync resolved against the cluster the run is connected to
+    (`ray.cluster_resources()`): a side at auto computes on cuda when the cluster has GPUs, and weight_sync=auto
+    broadcasts (NCCL) when both sides are on cuda, else goes through the object store. The actors resolve their
+    own auto device as well, and find the GPU Ray gave them. Resolved settings come back unchanged."""
+    gpus = int(cluster_resources.get("GPU", 0))
+    sides = {"rollout.device": settings.rollout_device, "trainer.device": settings.trainer_device}
+    for field, device in sides.items():
+        if device == "cuda" and gpus == 0:
+            raise ValueError(f"{field}=cuda, but the Ray cluster has no GPU (its resources: "
+                             f"{_resources(cluster_resources)}): join a cluster with GPUs (backend.address), or set "
+                             f"{field}=auto (cuda where the cluster has GPUs, else cpu) or {field}=cpu")
+    rollout, trainer = (device if device != "auto" else "cuda" if gpus else "cpu" for device in sides.values())
+    wanted = settings.num_engines * (rollout == "cuda") + settings.world_size * (trainer == "cuda")
+    if wanted > gpus:
+        raise ValueError(f"the engine and trainer actors on cuda need {wanted} GPUs (one each: "
+                         f"backend.num_engines={settings.num_engines}, trainer.world_size={settings.world_size}) but "
+                         f"the Ray cluster has {gpus}: lower them, set rollout.device=cpu or trainer.device=cpu, or "
+                         "use backend.kind=local (one process: the engine and the trainer share a GPU)")
+    sync = settings.weight_sync
+    if sync == "auto":
+        sync = "broadcast" if rollout == trainer == "cuda" else "object_store"
+    return dataclasses.replace(settings, rollout_device=rollout, trainer_device=trainer, weight_sync=sync)
+
+
+def _resources(resources: Mapping[str, float]) -> str:
+    return ", ".join(f"{name} {value:g}" for name, value in sorted(resources.items())
+                     if not name.startswith(("node:", "memory", "object_store_memory"))) or "none"
 
 
 def start_ray(settings: RaySettings) -> Callable[[], None]:
@@ -71,7 +132,7 @@ def ready(ref: Any, what: str) -> Any:
         return ray.get(ref, timeout=START_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError as error:
         raise RuntimeError(f"{what} did not start within {START_TIMEOUT_S:.0f} s: the cluster may lack the resources "
-                           "it asks for (1 CPU each actor, +1 GPU with rollout.device / trainer.device=cuda); "
+                           "it asks for (1 CPU each actor, +1 GPU for each engine and trainer rank on cuda); "
                            "`ray status` shows what is free") from error
     except RayError as error:
         raise RuntimeError(f"{what} failed to start: {brief(error)}") from error

@@ -11,7 +11,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from flashreinforce.controller.ray_actors import TrainerActor
-from flashreinforce.controller.ray_cluster import START_TIMEOUT_S, RaySettings, brief, ready
+from flashreinforce.controller.ray_cluster import START_TIMEOUT_S, RaySettings, brief, ready, resolve_devices
 from flashreinforce.trainer.distributed import RankGroup
 from flashreinforce.trainer.group import TrainerRankError
 from flashreinforce.types import Trajectory
@@ -36,9 +36,10 @@ class RayTrainer:
     @classmethod
     def start(cls, settings: RaySettings, factory: Callable[..., Any], config: Any, policy: Any,
               prefix: str) -> RayTrainer:
+        settings = resolve_devices(settings, ray.cluster_resources())  # unchanged when the backend resolved them
         actor_class = ray.remote(TrainerActor)
         names = [f"{prefix}-trainer-{rank}" for rank in range(settings.world_size)]
-        ranks = [actor_class.options(name=name, num_cpus=1, num_gpus=settings.trainer_gpus, max_restarts=0).remote(
+        ranks = [actor_class.options(**settings.actor_options("trainer", name)).remote(
             settings.torch_threads, factory, config, policy) for name in names]
         trainer = cls(ranks, names, settings.step_timeout_s, settings.sharded_trainer)
         try:

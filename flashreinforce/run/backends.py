@@ -82,19 +82,16 @@ def open_ray_backend(config: RunConfig, policy: Policy, shape: EngineShape,
 
 
 def ray_settings(config: RunConfig) -> RaySettings:
-    """The Ray backend's flat settings. A GPU is asked of the cluster only for a side set to cuda explicitly."""
+    """The Ray backend's flat settings, as configured: a device or weight_sync left at auto is resolved against
+    the cluster's GPUs once Ray is up (ray_cluster.resolve_devices, in ray_backend.start_ray_backend)."""
     from flashreinforce.controller.ray_cluster import RaySettings
 
     backend, trainer, verifier = config.backend, config.trainer, config.verifier
-    on_gpus = config.rollout.device == "cuda" and trainer.device == "cuda"
-    weight_sync = backend.weight_sync if backend.weight_sync != "auto" else "broadcast" if on_gpus else "object_store"
     return RaySettings(address=backend.address, num_engines=backend.num_engines,
                        engine_slots=config.rollout.max_batch_size, world_size=trainer.world_size,
-                       rank_backend="nccl" if trainer.device == "cuda" else "gloo",
                        sharded_trainer=trainer.sharding == "fsdp" and trainer.world_size > 1,
-                       weight_sync=weight_sync, weight_backend="nccl" if on_gpus else "gloo",
-                       engine_gpus=float(config.rollout.device == "cuda"), trainer_gpus=float(trainer.device == "cuda"),
-                       verifier_workers=(verifier.min_workers, verifier.max_workers),
+                       rollout_device=config.rollout.device, trainer_device=trainer.device,
+                       weight_sync=backend.weight_sync, verifier_workers=(verifier.min_workers, verifier.max_workers),
                        env_workers=max(config.env.min_workers, config.env.max_workers) if config.env.multi_turn else 0,
                        verifier_timeout_s=verifier.timeout_s, health_timeout_s=backend.health_timeout_s,
                        step_timeout_s=backend.step_timeout_s, torch_threads=backend.torch_threads)

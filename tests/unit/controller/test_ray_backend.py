@@ -18,6 +18,7 @@ ray = pytest.importorskip("ray")
 
 from flashreinforce.config import load_config  # noqa: E402
 from flashreinforce.controller.ray_backend import _POLL_S, RayParts, start_ray_backend  # noqa: E402
+from flashreinforce.controller.ray_cluster import resolve_devices  # noqa: E402
 from flashreinforce.controller.ray_trainer import RayTrainer  # noqa: E402
 from flashreinforce.controller.ray_verifiers import RayVerifiers  # noqa: E402
 from flashreinforce.envs.single_turn import TextEpisodes, to_trajectory  # noqa: E402
@@ -354,7 +355,8 @@ def test_the_lockstep_loop_is_refused_on_ray_naming_the_fields():
 @pytest.fixture(scope="module")
 def broadcasting(setup, loop):
     """A second backend whose pushes go through the weight group (gloo here), beside the module's own."""
-    settings = ray_settings(load_config(None, [*SMALL, "backend.weight_sync=broadcast"]))
+    settings = resolve_devices(ray_settings(load_config(None, [*SMALL, "backend.weight_sync=broadcast"])),
+                               ray.cluster_resources())
     assert (settings.weight_sync, settings.weight_backend) == ("broadcast", "gloo")
     backend = start_ray_backend(settings, setup.parts)
     yield backend
