@@ -49,7 +49,7 @@ _POLL_S = 1.0  # how long an engine holds a poll open while nothing finishes
 _RECOVERY_TRIES = 3  # restarts in a row that may fail before an engine is given up (and the run with it)
 _FROM_TRAINER = object()
 """In RayBackend._weights: the last push went by broadcast, so nothing in the object store holds it; an engine
-that restarts loads rank 0's versioned weights instead (RayTrainer.versioned_weights_ref)."""
+that restarts loads rank 0's versioned weights instead (RayTrainer.versioned_weights)."""
 
 
 @dataclass(frozen=True)
@@ -325,9 +325,8 @@ class RayBackend:
         while True:
             version, weights = self._weights
             if weights is _FROM_TRAINER:
-                ref = self.trainer.versioned_weights_ref()
-                # Rank 0 answers once a step it may be running ends: that wait is not the engine's to miss.
-                await asyncio.to_thread(ray.wait, [ref], timeout=self.settings.step_timeout_s, fetch_local=False)
+                # Rank 0 answers once a step or push it may be running ends: that wait is not the engine's to miss.
+                ref = await self.trainer.versioned_weights()
                 version = await self._ask(engine, engine.actor.load_versioned.remote(ref), "load_weights")
             elif weights is not None:
                 await self._ask(engine, engine.actor.load_weights.remote(weights, version), "load_weights")
@@ -422,9 +421,11 @@ class RayBackend:
     async def _push(self, version: int, engines: list[_Engine]) -> int:
         if self._broadcaster is not None and self._broadcaster.usable and engines:
             self.counts["weight_broadcasts"] += 1
+            # Before the broadcast, not after: an engine whose restart completes meanwhile loads `version` from
+            # rank 0 (which answers once the broadcast is over), not the last push's weights one version behind.
+            self._weights = (version, _FROM_TRAINER)
             answers = await self._broadcaster.push(engines, self._ask)
             engines = self._take_versions(engines, answers, strict=False)
-            self._weights = (version, _FROM_TRAINER)
             if not engines:
                 return version
             self.counts["weight_broadcast_fallbacks"] += 1

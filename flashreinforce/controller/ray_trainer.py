@@ -66,10 +66,12 @@ class RayTrainer:
         """Rank 0's weights of `version`, as one object in the object store (every engine reads the same)."""
         return self._weights_read("weights")
 
-    def versioned_weights_ref(self) -> Any:
-        """Rank 0's (version, weights) whenever its queue reaches the call: what a restarting engine loads
-        while a step may be running (its version then comes from rank 0, never a stale one from here)."""
-        return self._weights_read("versioned_weights")
+    async def versioned_weights(self) -> Any:
+        """A ref of rank 0's (version, weights), once rank 0 has answered (after a step or push it may be running):
+        what a restarting engine loads, its version from rank 0 itself, never a stale one from here."""
+        ref = self._weights_read("versioned_weights")
+        await asyncio.to_thread(ray.wait, [ref], timeout=self.step_timeout_s, fetch_local=False)
+        return ref
 
     def broadcast_ref(self) -> Any:
         """Rank 0 sends its weights through the weight group (TrainerActor.broadcast_weights): a ref of the
