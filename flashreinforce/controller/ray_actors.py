@@ -107,6 +107,13 @@ class EngineActor:
         """Partials of those still running; one that already finished comes back through a poll."""
         return await self.engine.abort(list(request_ids))
 
+    async def reset(self) -> None:
+        """Drop every request held here and what finished unpolled. The driver calls it on an engine it took out of
+        service: an actor that was only unavailable for a moment (ActorUnavailableError) still runs the requests
+        the driver has taken back, and their copies sent again must not meet these ("already in flight")."""
+        await self.engine.abort(list(self.futures))
+        self.done.clear()
+
     async def load_weights(self, weights: Mapping[str, Any], version: int) -> int:
         """Swap the weights between two decoding steps: running requests go on with their KV cache."""
         await self.engine.load_weights(weights, version)

@@ -251,6 +251,9 @@ class RayBackend:
         except asyncio.TimeoutError as error:
             raise EngineLost(f"engine actor {engine.name} did not answer {what} within {timeout_s:.1f} s "
                              "(backend.health_timeout_s)", hung=True) from error
+        except ActorUnavailableError as error:  # the call may or may not have run; the actor may be alive
+            raise EngineLost(f"engine actor {engine.name} was unavailable for {what}: {brief(error)}",
+                             hung=False) from error
         except RayActorError as error:
             raise EngineLost(f"engine actor {engine.name} died: {brief(error)}", hung=False) from error
 
@@ -266,7 +269,8 @@ class RayBackend:
         """Take the engine out of service, give its requests to the others and bring it back."""
         if not engine.healthy:
             return
-        log.warning("%s; restarting it, and sending its %d requests to a live engine", lost, len(engine.requests))
+        log.warning("%s; its %d requests go to a live engine, and it takes work again once it answers (restarted if "
+                    "it died) with the current weights", lost, len(engine.requests))
         self.counts["engine_restarts"] += 1
         self.counts["requeued_requests"] += len(engine.requests)
         if engine.poll is not None and engine.poll is not asyncio.current_task():
@@ -287,6 +291,8 @@ class RayBackend:
         for _ in range(_RECOVERY_TRIES):
             try:
                 await self._restarted(engine)
+                # Not restarted if it was only unavailable: what it still runs was sent elsewhere or is queued.
+                await self._ask(engine, engine.actor.reset.remote(), "a reset")
                 await self._load_current(engine)
             except EngineLost as lost:
                 error = lost

@@ -206,3 +206,32 @@ def test_an_engine_whose_restart_completes_during_a_broadcast_comes_back_at_the_
     assert back_at == (2, 2), f"the restarted engine came back at version {back_at[0]}, one behind the push"
     assert set(taken.values()) == {2}
 
+
+def test_an_actor_unavailable_for_a_moment_takes_its_requests_again_without_stopping_the_run():
+    """ActorUnavailableError on a poll: the call may or may not have run, and the actor may still hold its
+    requests. With one engine they are sent to it again; that must not meet the copies it still runs."""
+
+    async def run():
+        actor = FakeEngineActor(version=0)
+        backend = backend_over([actor], FakeTrainer(version=0), "object_store")
+        backend.engines[0].actor.unavailable.add("finished")
+        for request_id in ("r0", "r1"):
+            backend.submit(request_id, [1, 2], PARAMS)
+        finishing = asyncio.ensure_future(backend.finished())
+        await until(lambda: actor.submits == 2 or finishing.done(), "the requests were not sent again")
+        for request_id in list(actor.running) if not finishing.done() else []:
+            actor.finish(request_id)
+        got = []
+        try:
+            while len(got) < 2:
+                got += await asyncio.wait_for(finishing, DEADLINE_S)
+                finishing = asyncio.ensure_future(backend.finished()) if len(got) < 2 else finishing
+        finally:
+            await stop(backend)
+        return got, backend.counts["requeued_requests"]
+
+    try:
+        got, requeued = asyncio.run(run())
+    except RayError as error:
+        pytest.fail(f"the run stopped: {getattr(error, 'cause', error)!r}")
+    assert sorted(g.request_id for g in got) == ["r0", "r1"] and requeued == 2
