@@ -415,6 +415,10 @@ class TrainerConfig(_Section):
     row gets a microbatch of its own. The learner batch is sorted by length first, so with a budget short
     rows share a forward and long ones do not pad them (the dynamic batch size of verl and OpenRLHF).
     None: microbatch_size rows each."""
+    gradient_checkpointing: bool = False
+    """Keep only each decoder layer's input in the forward pass and recompute the layer in the backward pass:
+    activation memory of long rows falls to about one layer's, for roughly one more forward of compute. Not
+    with trainer.router_replay on an MoE model (the recomputation would not replay the routes)."""
     router_replay: bool = True
     """MoE models: the trainer's forward uses the experts the rollout engine chose for each token and layer
     (rollout router replay, R3), with gate weights from the live router logits; false routes afresh."""

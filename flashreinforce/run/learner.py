@@ -3,6 +3,8 @@ as trainer.world_size data-parallel ranks in processes of their own (trainer/gro
 
 from __future__ import annotations
 
+import torch
+
 from flashreinforce.config import RunConfig
 from flashreinforce.run.devices import resolve_device
 from flashreinforce.run.policy import Policy, side_numerics
@@ -18,9 +20,46 @@ from flashreinforce.trainer.trainer import (
 )
 
 
+def training_state_bytes(config: RunConfig, num_params: int) -> int:
+    """What one trainer rank holds for a model of `num_params`: its weights in precision.trainer (fp8 is kept
+    dequantized in bf16), and for every trained weight an fp32 master where the weights are not fp32, an fp32
+    gradient and AdamW's two fp32 moments; 1/world_size of it on sharded ranks. Activations are not counted: a
+    lower bound, which is what makes it safe to refuse a run with. LoRA's adapters are taken as free."""
+    return -(-whole_state_bytes(config, num_params) // state_shards(config))
+
+
+def whole_state_bytes(config: RunConfig, num_params: int) -> int:
+    weights = 4 if config.precision.trainer == "fp32" else 2
+    trained = 0 if config.trainer.lora is not None else (0 if weights == 4 else 4) + 4 + 8
+    return num_params * (weights + trained)
+
+
+def state_shards(config: RunConfig) -> int:
+    return config.trainer.world_size if config.trainer.sharding == "fsdp" else 1
+
+
+def check_fits_gpu(config: RunConfig, model, device: torch.device) -> None:
+    """Before the model moves to a GPU: a trainer rank whose weights, gradients and optimizer state alone exceed
+    the GPU's memory stops here, naming the settings that make it fit, instead of failing later out of memory."""
+    if device.type != "cuda":
+        return
+    num_params = sum(p.numel() for p in model.parameters())
+    need, gpu = training_state_bytes(config, num_params), torch.cuda.get_device_properties(device)
+    if need <= gpu.total_memory:
+        return
+    ranks = -(-whole_state_bytes(config, num_params) // gpu.total_memory)
+    raise ValueError(f"trainer: {num_params / 1e9:.2f}B parameters in precision.trainer={config.precision.trainer} "
+                     f"need at least {need / 2**30:.0f} GiB per trainer rank for weights, gradients and AdamW state "
+                     f"(activations not counted), more than the {gpu.total_memory / 2**30:.0f} GiB of {gpu.name}: "
+                     f"set trainer.world_size={ranks} (or more) with trainer.sharding=fsdp, or train LoRA adapters "
+                     "(trainer.lora)")
+
+
 def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer:
     """A Trainer of `model` (model and tokenizer, not a Policy: TrainerProcess calls this in its child)."""
     algo, trainer = config.algo, config.trainer
+    device = resolve_device("trainer.device", trainer.device, rank=rank)
+    check_fits_gpu(config, model, device)
     return Trainer(
         model,
         loss=algo.loss,
@@ -39,8 +78,9 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
         numerics=side_numerics(config, "trainer"),
         router_replay=trainer.router_replay,
         lora=lora_settings(config),
-        device=resolve_device("trainer.device", trainer.device, rank=rank),
+        device=device,
         sharding=trainer.sharding,
+        gradient_checkpointing=trainer.gradient_checkpointing,
     )
 
 

@@ -21,7 +21,7 @@ from flashreinforce.algorithms import LOSSES, GlobalNorm, LossInputs
 from flashreinforce.algorithms.dapo import overlong_penalty
 from flashreinforce.algorithms.wpsm import mean_token_entropy, wpsm_flags, wpsm_weights
 from flashreinforce.models.logprobs import token_logprobs
-from flashreinforce.models.moe import RouteRecorder, RouteReplay, set_mismatch
+from flashreinforce.models.moe import RouteRecorder, RouteReplay, route_shape, set_mismatch
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.trainer.batching import TrainBatch, collate
 from flashreinforce.trainer.distributed import Shard
@@ -68,6 +68,16 @@ class OptimizerSettings:
     grad_clip: float
 
 
+def enable_checkpointing(model: torch.nn.Module, router_replay: bool) -> None:
+    """Recompute each decoder layer in the backward pass (transformers' own checkpointing, non-reentrant).
+    Refused with router replay on an MoE model: the recomputation would route afresh, not replay."""
+    if router_replay and route_shape(model) is not None:
+        raise ValueError("trainer.gradient_checkpointing=true recomputes each layer in the backward pass, where the "
+                         "replayed routes no longer apply: set trainer.router_replay=false for this MoE model, or "
+                         "trainer.gradient_checkpointing=false")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
 class Trainer:
     """Owns the training model, its optimizer and the policy version (optimizer steps taken)."""
 
@@ -90,6 +100,7 @@ class Trainer:
         lora: LoraSettings | None = None,
         device: torch.device | str = "cpu",
         sharding: str = "replicate",
+        gradient_checkpointing: bool = False,
     ) -> None:
         """`numerics`: the trainer's weight format and compute dtype (models/numerics.py); the model is cast
         to it here and its weights become the formatted fp32 masters. `router_replay`: an MoE model's forward
@@ -98,7 +109,8 @@ class Trainer:
         wrapped in place, and `weights()` and `save_model` give the merged model under the base's names.
         `device`: where the model computes (moved there here). In a process that joined a torch.distributed
         group (trainer/distributed.py) this is one data-parallel rank: `step` gets the whole batch on every
-        rank and the ranks' weights stay identical; `sharding="fsdp"` shards them instead (trainer/sharding.py)."""
+        rank and the ranks' weights stay identical; `sharding="fsdp"` shards them instead (trainer/sharding.py).
+        `gradient_checkpointing`: keep each layer's input only and recompute the layer in the backward pass."""
         if loss not in LOSSES:
             raise ValueError(f"algo.loss={loss!r} is not a known loss; choose one of {sorted(LOSSES)}")
         if sharding not in SHARDINGS:
@@ -110,6 +122,8 @@ class Trainer:
         self.compute_dtype = numerics.compute_dtype
         self.formats_weights = numerics.formats_weights
         model.to(self.device)  # before the adapters and the masters, which are built on the model's device
+        if gradient_checkpointing:
+            enable_checkpointing(model, router_replay)
         self.lora: LoraAdapter | None = attach_lora(model, lora, numerics) if lora is not None else None
         self.model = self.lora.model if self.lora is not None else model
         self.spec = LOSSES[loss]

@@ -85,7 +85,7 @@ def _on_policy_batch(model, rows, group_size):
     return trajectories
 
 
-def _trainer(model, loss, microbatch_size, microbatch_tokens=None):
+def _trainer(model, loss, microbatch_size, microbatch_tokens=None, **options):
     return Trainer(
         model,
         loss=loss,
@@ -97,6 +97,7 @@ def _trainer(model, loss, microbatch_size, microbatch_tokens=None):
         pad_token_id=0,
         temperature=1.0,
         max_new_tokens=8,
+        **options,
     )
 
 
@@ -125,6 +126,37 @@ def test_a_token_budget_packs_sorted_rows_and_steps_like_one_batch():
     assert metrics_whole["batch/padding_fraction"] == pytest.approx(1 - 60 / 80)
     for a, b in zip(whole.parameters(), packed.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_gradient_checkpointing_recomputes_each_layer_and_steps_like_the_plain_forward():
+    base = build_model(VOCAB, 16, 2, 2, 32, dtype=torch.float64, seed=1)
+    batch = _on_policy_batch(base, rows=6, group_size=1)
+    calls = []
+
+    class Counted(torch.nn.Module):  # module hooks do not run in the recomputation: count in forward itself
+        def __init__(self, inner, model):
+            super().__init__()
+            self.inner, self.model = inner, [model]
+
+        def forward(self, x):
+            calls.append(self.model[0])
+            return self.inner(x)
+
+    plain, checkpointed = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (plain, checkpointed):
+        model.model.layers[0].mlp.act_fn = Counted(model.model.layers[0].mlp.act_fn, model)
+    _trainer(plain, "flashreinforce", microbatch_size=6).step(batch)
+    _trainer(checkpointed, "flashreinforce", microbatch_size=6, gradient_checkpointing=True).step(batch)
+    assert calls.count(checkpointed) == 2 * calls.count(plain)  # the forward, then its recomputation
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_gradient_checkpointing_is_refused_with_router_replay_on_an_moe_model():
+    moe = build_model(VOCAB, 16, 1, 2, 32, seed=1, num_experts=4)
+    with pytest.raises(ValueError, match="set trainer.router_replay=false"):
+        _trainer(moe, "flashreinforce", microbatch_size=4, gradient_checkpointing=True)
+    _trainer(moe, "flashreinforce", microbatch_size=4, gradient_checkpointing=True, router_replay=False)
 
 
 def test_step_reports_zero_mismatch_lag_and_bumps_the_version():
