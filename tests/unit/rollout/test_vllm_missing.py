@@ -32,7 +32,15 @@ def test_config_choices_vllm_cannot_run_are_refused_first(no_vllm):
     shape = EngineShape(longest_prompt=16, max_new_tokens=16, version=0, seed=0)
     for override, message in (("precision.rollout=fp8", "precision.rollout"),
                               ("rollout.vllm.weight_transfer=nccl", "rollout.vllm.weight_transfer=nccl"),
-                              ("model.tiny.num_experts=4", "MoE")):
+                              ("model.tiny.num_experts=4", "MoE .* set trainer.router_replay=false")):
         config = load_config(None, [*policy_config, override])
         with pytest.raises((ValueError, NotImplementedError), match=message):
             build_engine(config, tiny_policy(config), shape)
+
+
+def test_an_moe_model_without_router_replay_passes_the_moe_check_and_meets_the_next_one(no_vllm):
+    """The qwen3_tool_ablation recipe's case: vLLM samples an MoE model whose routes the trainer picks afresh."""
+    config = load_config(None, ["rollout.engine=vllm", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",
+                                "model.tiny.num_experts=4", "trainer.router_replay=false"])
+    with pytest.raises(ValueError, match="rollout.engine=vllm needs vLLM"):
+        build_engine(config, tiny_policy(config), EngineShape(longest_prompt=16, max_new_tokens=16, version=0, seed=0))

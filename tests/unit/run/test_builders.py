@@ -88,3 +88,48 @@ def test_a_tiny_model_that_cannot_hold_the_run_stops_before_its_warm_start(tiny_
     with pytest.raises(ValueError, match="max_new_tokens=200 need .* positions but the model has"):
         run_training(config, run_dir=tmp_path / "run")
     assert not (tmp_path / "run" / "sft").exists()
+
+
+GPU_RECIPE_PARAMS = {"r1": 1.78e9, "qwen_math": 1.54e9, "qwen7b_tool": 7.62e9, "alfworld": 7.62e9,
+                     "qwen3_tool_ablation": 30.5e9}
+"""Parameters of each GPU recipe's model (its model card), for the memory its trainer ranks must hold."""
+
+
+@pytest.mark.parametrize("recipe", sorted(GPU_RECIPE_PARAMS))
+def test_a_gpu_recipe_states_its_hardware_and_its_trainer_ranks_hold_their_state_there(recipe):
+    """The header's `Hardware: N GPUs of M GB` is one GPU per trainer rank and per engine, and each rank's weights,
+    masters, gradients and AdamW state leave at least 10% of its GPU to activations."""
+    import re
+
+    from flashreinforce.config import resolve_recipe
+    from flashreinforce.run.learner import training_state_bytes
+
+    header = " ".join(line.lstrip("# ") for line in resolve_recipe(recipe).read_text().splitlines()
+                      if line.startswith("#"))
+    stated = re.search(r"Hardware: (\d+) GPUs of (\d+) GB", header)
+    assert stated, f"{recipe}: no 'Hardware: N GPUs of M GB' in its header"
+    gpus, memory = int(stated[1]), int(stated[2]) * 10**9
+    config = load_config(recipe)
+    assert gpus == config.trainer.world_size + config.backend.num_engines
+    assert training_state_bytes(config, int(GPU_RECIPE_PARAMS[recipe])) <= 0.9 * memory
+    assert config.rollout.vllm.gpu_memory_utilization >= 0.8  # an engine alone on its GPU takes most of it
+
+
+def test_a_trainer_rank_that_cannot_hold_its_state_on_its_gpu_stops_naming_the_ranks_that_would(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from flashreinforce.run.learner import check_fits_gpu, training_state_bytes
+
+    gpu = SimpleNamespace(total_memory=80 * 2**30, name="a GPU of 80 GiB")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    config = load_config("qwen7b_tool", ["trainer.world_size=1", "trainer.sharding=replicate"])
+    model = torch.nn.Linear(1, 1)
+    monkeypatch.setattr(model, "parameters", lambda: [SimpleNamespace(numel=lambda: 7_620_000_000)])
+    assert training_state_bytes(config, 7_620_000_000) == 7_620_000_000 * (2 + 4 + 4 + 8)
+    with pytest.raises(ValueError, match=r"7.62B parameters .* need at least 128 GiB per trainer rank .* "
+                                         r"set trainer.world_size=2 \(or more\) with trainer.sharding=fsdp"):
+        check_fits_gpu(config, model, torch.device("cuda", 0))
+    check_fits_gpu(load_config("qwen7b_tool"), model, torch.device("cuda", 0))  # 4 sharded ranks: 32 GiB each
+    check_fits_gpu(config, model, torch.device("cpu"))  # a CPU rank is not checked against a GPU
