@@ -181,7 +181,9 @@ class AsyncEngine:
                 self._failure = error = exc
                 break
             for generation in finished:
-                _reply(self._waiters.pop(generation.request_id), generation)
+                reply = self._waiters.pop(generation.request_id, None)
+                if reply is not None:  # None: its awaiter was cancelled (_drop), nobody takes the result
+                    _reply(reply, generation)
         with self._lock:
             self._closed = True
             pending = list(self._waiters.values())

@@ -274,14 +274,17 @@ class VllmEngine:
         *,
         prefix: Generation | None = None,
     ) -> None:
-        """Queue a request (see Engine.submit); `prefix` continues a partial, its arrays kept as they are."""
-        if request_id in self._live or request_id == PROBE_REQUEST:
+        """Queue a request (see Engine.submit); `prefix` continues a partial, its arrays kept as they are.
+        A prefix already at its budget ends "length", one whose turn already stopped ends "stop" (an aborted
+        request that had finished in the weight probe's step), both from the next step()."""
+        if (request_id in self._live or request_id == PROBE_REQUEST
+                or any(g.request_id == request_id for g in self._ready)):
             raise ValueError(f"request {request_id!r} is already running or waiting: ids must be unique")
         prompt = tuple(int(t) for t in prompt_ids)
         self._check_request(request_id, prompt, params, prefix)
         request = self._new_request(request_id, prompt, params, prefix)
-        if request.length >= request.end:
-            self._ready.append(self._generation(request, "length"))
+        if request.length >= request.end or self._stopped(request):
+            self._ready.append(self._generation(request, "length" if request.length >= request.end else "stop"))
             return
         self._live[request_id] = request
         self._llm.add_request(request_id, self._vllm_prompt(request), self._vllm_params(request))
@@ -308,11 +311,20 @@ class VllmEngine:
         return finished
 
     def abort(self, request_ids: Sequence[str]) -> list[Generation]:
-        """Stop these requests and return them as partials, in the given order; unknown ids are skipped."""
-        gone = [self._live.pop(i) for i in request_ids if i in self._live]
+        """Stop these requests and return them as partials, in the given order; unknown ids are skipped.
+
+        A request that finished outside a step and was not returned yet (in the weight probe's step, or a
+        prefix already at its budget) is handed back here too, as a partial, and never by step(): each request
+        comes back once, and a cancelled awaiter's request is gone. Resumed, such a partial ends again at once.
+        """
+        wanted = dict.fromkeys(request_ids)
+        ready = {g.request_id: replace(g, finish_reason="abort") for g in self._ready if g.request_id in wanted}
+        self._ready = [g for g in self._ready if g.request_id not in ready]
+        gone = [self._live.pop(i) for i in wanted if i in self._live]
         if gone:
             self._llm.abort_request([r.request_id for r in gone])
-        return [self._generation(r, "abort") for r in gone]
+        partials = {**ready, **{r.request_id: self._generation(r, "abort") for r in gone}}
+        return [partials[i] for i in wanted if i in partials]
 
     def pause(self) -> list[Generation]:
         """Abort everything running or waiting: the partials to resume after a weight update."""
@@ -422,6 +434,15 @@ class VllmEngine:
             request.turn_start = forced[-1] + 1 if forced else 0
             request.stale_context = prefix.stale_context
         return request
+
+    def _stopped(self, r: _Request) -> bool:
+        """The current turn already ended with a stop token or holds a stop string (as _take would have seen)."""
+        turn = r.tokens[r.turn_start:]
+        if not turn:
+            return False
+        if turn[-1] in self.eos_token_ids or turn[-1] in r.params.stop_token_ids:
+            return True
+        return bool(r.params.stop_strings) and hits_stop_string(self.tokenizer, turn, r.params.stop_strings)
 
     def _vllm_prompt(self, r: _Request) -> Any:
         return self._vllm.TokensPrompt(prompt_token_ids=[*r.prompt_ids, *r.tokens])
