@@ -1,8 +1,25 @@
-"""Shared fixtures: the smallest complete run configuration."""
+"""Shared fixtures: the smallest complete run configuration; and the markers of tests that need an extra."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
+
+EXTRA_MARKERS = {"ray": ("ray",), "lora": ("peft",), "trl": ("trl",), "models": ("gguf", "accelerate"),
+                 "reasoning_gym": ("reasoning_gym",), "textworld": ("textworld",), "vllm": ("vllm",),
+                 "wandb": ("wandb",)}
+"""A marker naming an optional extra (pyproject's optional-dependencies) -> the packages it installs. A test
+with the marker skips, naming the extra, where they are missing: `pip install -e '.[test]'` runs the rest
+(tests/unit/test_optional_imports.py checks that no test imports an extra's package unguarded)."""
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for marker, packages in EXTRA_MARKERS.items():
+        missing = [p for p in packages if importlib.util.find_spec(p) is None]
+        if item.get_closest_marker(marker) is not None and missing:
+            extra = marker.replace("_", "-")
+            pytest.skip(f"needs the {extra} extra ({', '.join(missing)} not installed): pip install -e '.[{extra}]'")
 
 TINY_RUN = [
     "model.tiny.hidden_size=32",
@@ -139,7 +156,7 @@ def local_ray():
     """A Ray of the test module's own on this machine (loopback, usage stats off); a start costs seconds."""
     import os
 
-    import ray
+    ray = pytest.importorskip("ray")
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

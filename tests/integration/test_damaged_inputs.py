@@ -43,6 +43,7 @@ def test_eval_of_a_checkpoint_with_damaged_weights_names_the_file(tmp_path, caps
     assert "evaluate an older checkpoint" in error
 
 
+@pytest.mark.slow  # a whole run, then its resume
 def test_resume_skips_a_damaged_latest_checkpoint_and_keeps_it(tiny_run, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # rich would wrap the long paths of the notes mid-path
     run = tmp_path / "run"

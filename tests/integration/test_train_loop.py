@@ -50,13 +50,15 @@ def test_default_loop_writes_a_complete_run_directory(tiny_run, tmp_path):
     "overrides",
     [
         ["scheduler.kind=sync"],
-        ["scheduler.kind=april"],
+        pytest.param(["scheduler.kind=april"], marks=pytest.mark.slow),
         ["scheduler.kind=urb"],
         ["scheduler.kind=stream", "scheduler.stale_policy=drop"],
         ["algo.loss=grpo", "scheduler.group_size=4", "scheduler.batch_groups=2"],
-        ["algo.loss=gspo", "scheduler.group_size=2", "scheduler.batch_groups=4", "scheduler.kind=urb"],
-        ["algo.loss=dapo", "scheduler.group_size=4", "scheduler.batch_groups=2", "algo.dynamic_sampling=true",
-         "algo.overlong={max_length: 40, cache: 10}"],
+        pytest.param(["algo.loss=gspo", "scheduler.group_size=2", "scheduler.batch_groups=4", "scheduler.kind=urb"],
+                     marks=pytest.mark.slow),
+        pytest.param(["algo.loss=dapo", "scheduler.group_size=4", "scheduler.batch_groups=2",
+                      "algo.dynamic_sampling=true", "algo.overlong={max_length: 40, cache: 10}"],
+                     marks=pytest.mark.slow),  # dynamic sampling: ~10 s of regenerated groups
         ["algo.loss=misc", "scheduler.group_size=2", "scheduler.batch_groups=4",
          "algo.wpsm={tau: 0.2, eta: 0.5}", "scheduler.kind=april", "scheduler.mask_offpolicy=true"],
     ],
@@ -84,6 +86,7 @@ def test_sft_command_saves_a_loadable_warm_start_and_scores_it(tiny_run, tmp_pat
     assert report["model"].endswith("sft") and "eval/avg@k" in report
 
 
+@pytest.mark.slow  # waits out verifier timeouts; the pool's own tests cover raise, hang and crash in unit size
 def test_a_reward_function_that_raises_or_hangs_is_counted_and_the_run_goes_on(tiny_run, tmp_path):
     rewards = tmp_path / "flaky_rewards.py"
     rewards.write_text(

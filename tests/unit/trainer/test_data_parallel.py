@@ -189,6 +189,7 @@ def test_a_rank_that_fails_to_start_fails_the_group_at_once_naming_it(tmp_path, 
 
 
 # unified fp8: the base is formatted whole (tensor scales) before it is sharded, and computes in fp32
+@pytest.mark.lora
 @pytest.mark.filterwarnings("ignore:trainer.lora with precision.mode=unified")
 @pytest.mark.parametrize("precision", ["fp32", pytest.param(Numerics("fp8", unified=True, fp8_scaling="tensor"),
                                                             marks=pytest.mark.slow)], ids=["fp32", "fp8-unified"])
@@ -218,8 +219,8 @@ def test_sharded_lora_ranks_give_the_one_process_adapter_gradient_and_merged_wei
 # fp32 full, bf16 LoRA and fp8 full (its masters sharded beside the formatted weights) in CI; the other two
 # combinations are marked long for CI's time
 @pytest.mark.parametrize(("precision", "lora"), [("fp32", False), pytest.param("bf16", False, marks=pytest.mark.long),
-                                                 pytest.param("fp32", True, marks=pytest.mark.long), ("bf16", True),
-                                                 ("fp8", False)])
+                                                 pytest.param("fp32", True, marks=[pytest.mark.long, pytest.mark.lora]),
+                                                 pytest.param("bf16", True, marks=pytest.mark.lora), ("fp8", False)])
 def test_a_sharded_group_saves_a_loadable_model_and_resumes_its_exact_step(tmp_path, one_thread, precision, lora):
     """A checkpoint of an FSDP group (the model saved by rank 0, the optimizer state and bf16's or fp8's fp32
     masters gathered in full) resumes into a new group whose next step is the uninterrupted group's."""

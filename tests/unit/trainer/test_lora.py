@@ -1,7 +1,6 @@
 """trainer.lora: peft adapters on a frozen base, merged weights for the engine, saves and exact resumes."""
 
 import copy
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -33,8 +32,6 @@ from flashreinforce.types import (
 )
 
 VOCAB = 24
-needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
-                                reason="trainer.lora needs peft: pip install 'flashreinforce[lora]'")
 LORA = LoraSettings(r=4, alpha=8.0)
 BENCHMARK = Path(__file__).resolve().parents[3] / "benchmarks" / "lora.py"
 RUN = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
@@ -92,7 +89,7 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 IDS = torch.randint(2, VOCAB, (3, 12), generator=torch.Generator().manual_seed(9))
 
 
-@needs_peft
+@pytest.mark.lora
 def test_only_the_adapters_train_and_the_base_stays_frozen():
     model = tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -113,7 +110,7 @@ def test_only_the_adapters_train_and_the_base_stays_frozen():
         assert torch.equal(live[live_name], tensor), name
 
 
-@needs_peft
+@pytest.mark.lora
 def test_merged_weights_compute_what_the_adapter_model_computes():
     base = tiny()
     plain = copy.deepcopy(base)
@@ -128,7 +125,7 @@ def test_merged_weights_compute_what_the_adapter_model_computes():
         assert torch.equal(merged[f"{name}.weight"], expected), name
 
 
-@needs_peft
+@pytest.mark.lora
 def test_weights_have_the_base_models_names_and_shapes_and_leave_the_adapter_model_as_it_was():
     base = tiny()
     reference = copy.deepcopy(base).state_dict()
@@ -159,7 +156,7 @@ def _rollouts(engine: Engine, count: int = 8) -> list[Trajectory]:
             for i, gen in enumerate(_generate(engine, count))]
 
 
-@needs_peft
+@pytest.mark.lora
 def test_the_engine_loads_merged_weights_and_samples_the_trainers_log_probs():
     base = tiny()
     engine = Engine(copy.deepcopy(base), max_batch_size=4, max_context=64, eos_token_ids=1)
@@ -180,7 +177,7 @@ def test_the_engine_loads_merged_weights_and_samples_the_trainers_log_probs():
     assert metrics["mismatch/same_weights_abs_max"] < 1e-4
 
 
-@needs_peft
+@pytest.mark.lora
 def test_a_checkpoint_resumes_the_adapter_exactly_from_the_merged_model(tmp_path):
     """As a resume does: the model comes from the checkpoint's merged model/, the rest from trainer.pt."""
     trainer = trained(tiny(), steps=2)
@@ -201,7 +198,7 @@ def test_a_checkpoint_resumes_the_adapter_exactly_from_the_merged_model(tmp_path
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft reads a deprecated attribute
-@needs_peft
+@pytest.mark.lora
 def test_save_model_writes_a_merged_model_transformers_loads_and_the_adapter_alone(tmp_path):
     import peft
 
@@ -222,7 +219,7 @@ def test_save_model_writes_a_merged_model_transformers_loads_and_the_adapter_alo
     torch.testing.assert_close(logits(alone, IDS), expected, rtol=0, atol=1e-6)
 
 
-@needs_peft
+@pytest.mark.lora
 def test_merged_weights_fill_the_trainer_processs_shared_layout(tmp_path):
     """A TrainerProcess child publishes weights() into a layout made from the base model's state dict."""
     base = tiny()
@@ -237,7 +234,7 @@ def test_merged_weights_fill_the_trainer_processs_shared_layout(tmp_path):
     assert all(torch.equal(shared[k], own[k]) for k in own)
 
 
-@needs_peft
+@pytest.mark.lora
 def test_bf16_keeps_the_adapters_fp32_on_a_formatted_frozen_base():
     bf16 = Numerics("bf16")
     full = lora_trainer(tiny(), lora=None, numerics=bf16).weights()
@@ -251,7 +248,7 @@ def test_bf16_keeps_the_adapters_fp32_on_a_formatted_frozen_base():
         lora_trainer(tiny(), numerics=Numerics("bf16", unified=True))
 
 
-@needs_peft
+@pytest.mark.lora
 def test_moe_adapts_attention_and_the_shared_expert_and_freezes_routed_experts():
     moe = tiny(num_experts=4, experts_per_token=2)
     with torch.no_grad():
@@ -277,7 +274,7 @@ def test_moe_adapts_attention_and_the_shared_expert_and_freezes_routed_experts()
             lora_trainer(tiny(num_experts=4), lora=LoraSettings(target_modules=(target,)))
 
 
-@needs_peft
+@pytest.mark.lora
 def test_target_names_that_match_no_linear_layer_list_the_models_linear_layers():
     for target, reason in (("qkv", "matches no linear layer"), ("mlp", "Qwen2MLP"), ("lm_head", "output layer")):
         with pytest.raises(ValueError, match=f"trainer.lora.target_modules: '{target}' .*{reason}") as error:
@@ -291,7 +288,7 @@ def test_a_missing_peft_says_how_to_install_it(monkeypatch):
         lora_trainer(tiny())
 
 
-@needs_peft
+@pytest.mark.lora
 def test_resuming_across_lora_settings_names_the_field():
     lora_state = lora_trainer(tiny()).state_dict()
     with pytest.raises(ValueError, match="trainer.lora: the checkpoint was written by LoRA"):
@@ -325,7 +322,7 @@ def test_the_config_validates_lora_and_names_the_field():
             LoraSettings(**bad)
 
 
-@needs_peft
+@pytest.mark.lora
 @pytest.mark.slow
 def test_the_benchmark_quick_run_reports_both_configurations(tmp_path):
     out = tmp_path / "lora.json"
@@ -342,7 +339,7 @@ def _train(*argv: str) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-@needs_peft
+@pytest.mark.lora
 @pytest.mark.slow
 def test_a_deterministic_lora_run_resumed_midway_ends_with_the_straight_runs_weights(tmp_path):
     """The whole path: learner -> Trainer, checkpoints of the merged model, a resume that rebuilds from them."""

@@ -159,6 +159,7 @@ def bf16_trainer() -> Trainer:
     return trainer(bf16_model())
 
 
+@pytest.mark.slow  # starts a trainer process (~5 s)
 def test_the_trainer_process_carries_the_masters_both_ways():
     source = bf16_trainer()
     source.step(batch(source.model))
