@@ -12,6 +12,7 @@ import dataclasses
 import textwrap
 
 import pytest
+from scripted_backend import FinishedQueue
 
 from flashreinforce.buffer import build_scheduler
 from flashreinforce.controller.episodes import (
@@ -69,15 +70,14 @@ def logprob(turn: int, j: int) -> float:
     return -0.25 * (turn + 1) - 0.01 * j
 
 
-class ScriptedBackend:
+class ScriptedBackend(FinishedQueue):
     """Samples each request's next scripted turn at once: its text then EOS, log-probs logprob(turn, j), the
     version it holds (bumped after every submit when `bump`), cut at max_new_tokens ("length")."""
 
     def __init__(self, script: dict[str, list[str]], *, bump: bool = True, version: int = 0) -> None:
+        super().__init__()
         self.script, self.bump, self.version = script, bump, version
-        self.done: list[Generation] = []
         self.submits: list[tuple[str, tuple[int, ...], Generation | None]] = []
-        self.arrived = asyncio.Event()
         self.scored: list[tuple[str, Prompt]] = []
 
     @property
@@ -97,20 +97,12 @@ class ScriptedBackend:
         finish = "stop" if len(sampled) <= room else "length"
         sampled = sampled[:room]
         n = len(sampled)
-        self.done.append(dataclasses.replace(
+        self.finish(dataclasses.replace(
             base, token_ids=base.token_ids + tuple(sampled),
             behavior_logprobs=base.behavior_logprobs + tuple(logprob(turn, j) for j in range(n)),
             policy_versions=base.policy_versions + (self.version,) * n, loss_mask=base.loss_mask + (1,) * n,
             finish_reason=finish, episode=None))  # the engine does not keep the episode state
         self.version += self.bump
-        self.arrived.set()
-
-    async def finished(self):
-        while not self.done:
-            self.arrived.clear()
-            await self.arrived.wait()
-        done, self.done = self.done, []
-        return done
 
     async def score(self, items):
         self.scored.extend(items)

@@ -4,6 +4,8 @@ where the scheduler cancels a rollout that the engine finished a moment before t
 import asyncio
 import dataclasses
 
+from scripted_backend import FinishedQueue
+
 from flashreinforce.buffer import build_scheduler
 from flashreinforce.controller.loop import LoopSettings, RLLoop, request_id
 from flashreinforce.envs.single_turn import TextEpisodes
@@ -11,17 +13,16 @@ from flashreinforce.models import build_char_tokenizer
 from flashreinforce.types import Generation, Prompt, SamplingParams, Verdict
 
 
-class ScriptedBackend:
+class ScriptedBackend(FinishedQueue):
     """Every request finishes at once, except the `slow` ones, which never finish by themselves: aborting
     one returns nothing and hands it back through finished() instead, as if it had just finished."""
 
     def __init__(self, slow: set[str]) -> None:
+        super().__init__()
         self.slow = slow
         self.running: dict[str, Generation] = {}
-        self.done: list[Generation] = []
         self.version = 0
         self.calls: list[str] = []
-        self.arrived = asyncio.Event()
 
     @property
     def free_slots(self) -> int:
@@ -36,15 +37,7 @@ class ScriptedBackend:
         if rid in self.slow:
             self.running[rid] = generation
         else:
-            self.done.append(generation)
-            self.arrived.set()
-
-    async def finished(self):
-        while not self.done:
-            self.arrived.clear()
-            await self.arrived.wait()
-        done, self.done = self.done, []
-        return done
+            self.finish(generation)
 
     async def score(self, items):
         return [Verdict(1.0, True) for _ in items]
@@ -72,8 +65,7 @@ class ScriptedBackend:
         self.calls.append(f"abort {sorted(request_ids)}")
         for rid in request_ids:  # each one finished just before the abort: nothing to return
             if rid in self.running:
-                self.done.append(self.running.pop(rid))
-                self.arrived.set()
+                self.finish(self.running.pop(rid))
         return []
 
     def stats(self):
@@ -102,3 +94,19 @@ def test_a_cancelled_rollout_that_finished_first_goes_back_as_aborted_not_traine
     summary = scheduler.ledger.summary()
     assert summary["dropped/stale"] == 1 and summary["trained"] == 3, summary
     assert "p1#0" not in loop.inflight  # its late generation came back and was discarded
+
+
+def test_the_scripted_backends_finished_is_cancel_safe_and_returns_every_ended_request():
+    """The shared finished() of the scripted backends (tests/scripted_backend.py) behaves as the loop needs."""
+    async def main():
+        backend = ScriptedBackend(slow={"a", "b"})
+        backend.submit("a", [1], SamplingParams())
+        backend.submit("b", [1], SamplingParams())
+        waiting = asyncio.ensure_future(backend.finished())
+        await asyncio.sleep(0)
+        waiting.cancel()  # as the loop does before a weight push
+        await asyncio.gather(waiting, return_exceptions=True)
+        await backend.abort(["a", "b"])  # slow ones come back through finished() instead
+        return await asyncio.wait_for(backend.finished(), 1)
+
+    assert [g.request_id for g in asyncio.run(main())] == ["a", "b"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from scripted_backend import FinishedQueue
+
 from flashreinforce.controller.episodes import EpisodeBackend
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.eval.evaluate import evaluate, final_answer
@@ -14,12 +16,12 @@ TOKENIZER = build_char_tokenizer("0123456789 answerix=+")
 EOS = TOKENIZER.eos_token_id
 
 
-class CollapsedBackend:
+class CollapsedBackend(FinishedQueue):
     """Greedy (top_k=1) always answers "2"; a sampled request answers the ground truth on odd seeds, else "2"."""
 
     def __init__(self, truths: dict[tuple[int, ...], str]) -> None:
-        self.truths, self.done, self.submitted = truths, [], []
-        self.arrived = asyncio.Event()
+        super().__init__()
+        self.truths, self.submitted = truths, []
 
     free_slots = 64
 
@@ -33,15 +35,7 @@ class CollapsedBackend:
         answer = "2" if params.top_k == 1 or params.seed % 2 == 0 else truth
         ids = (*TOKENIZER.encode(f"answer is {answer}", add_special_tokens=False), EOS)
         n = len(ids)
-        self.done.append(Generation(rid, tuple(prompt_ids), ids, (-0.1,) * n, (0,) * n, (1,) * n, "stop", params))
-        self.arrived.set()
-
-    async def finished(self):
-        while not self.done:
-            self.arrived.clear()
-            await self.arrived.wait()
-        done, self.done = self.done, []
-        return done
+        self.finish(Generation(rid, tuple(prompt_ids), ids, (-0.1,) * n, (0,) * n, (1,) * n, "stop", params))
 
     async def score(self, items):
         return [Verdict(float(final_answer(text) == p.ground_truth), final_answer(text) == p.ground_truth)
