@@ -12,15 +12,23 @@ new `generation` (a prefix in the same store, so stale keys never meet).
 Every push is self-describing: a JSON header (version; each tensor's name, dtype, shape) goes first, as bytes,
 then the tensors in the header's order, so a receiver needs nothing but the group. JSON, not pickle: the bytes
 come from the network.
+
+A failure must reach the host, where the caller can leave the group: an NCCL Work's wait() only makes the current
+CUDA stream wait and returns at once, so every collective is finished by polling its completion against the
+group's timeout (finish()), and the NCCL group is built with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so that PyTorch's
+watchdog aborts the communicator on a timeout instead of taking the whole process (trainer rank 0) down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
-from collections.abc import Mapping
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import torch
@@ -48,7 +56,8 @@ class WeightGroupSpec:
 
 class WeightGroup:
     """This process's membership of one generation of the weight group. Building it blocks until every
-    member has joined (or raises after timeout_s); then rank 0 calls send() as every other rank calls receive()."""
+    member has joined (or raises after timeout_s); then rank 0 calls send() as every other rank calls receive().
+    Any call that raises leaves the group unusable: close() it (the driver builds a new generation)."""
 
     def __init__(self, spec: WeightGroupSpec, rank: int) -> None:
         self.spec, self.rank = spec, rank
@@ -56,40 +65,41 @@ class WeightGroup:
         address = urlparse(spec.address)
         store = dist.PrefixStore(f"weights/{spec.generation}",
                                  dist.TCPStore(address.hostname, address.port, is_master=False, timeout=timeout))
+        # Every member present before any communicator is made: NCCL's (made at the first collective) would wait
+        # for a missing one without a timeout.
+        store.set(f"joined/{rank}", "1")
+        store.wait([f"joined/{r}" for r in range(spec.world_size)], timeout)
         if spec.backend == "nccl":
             # One GPU per engine and per trainer rank (Ray sets CUDA_VISIBLE_DEVICES): the current device.
             self.device = torch.device("cuda", torch.cuda.current_device())
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self._group = dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+            self._group = nccl_group(store, rank, spec.world_size, timeout)
         else:
             self.device = torch.device("cpu")
             self._group = dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
-        self._broadcast(torch.zeros(1, device=self.device))  # every member is connected before the first push
+        self._broadcast([torch.zeros(1, device=self.device)])  # every member is connected before the first push
 
     def send(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Rank 0: `weights` at `version` to every other member (each tensor once, on this group's device)."""
-        header = {"version": version,
-                  "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in weights.items()]}
+        header = {"version": version, "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                                  for name, t in weights.items()]}
         data = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-        self._broadcast(torch.tensor([data.numel()], dtype=torch.int64, device=self.device))
-        self._broadcast(data.to(self.device))
-        for tensor in weights.values():
-            self._broadcast(_as_bytes(tensor.detach().to(self.device).contiguous()))
+        self._broadcast([torch.tensor([data.numel()], dtype=torch.int64, device=self.device)])
+        self._broadcast([data.to(self.device)])
+        self._broadcast(_as_bytes(tensor.detach().to(self.device).contiguous()) for tensor in weights.values())
 
     def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
         """Any other rank: (version, weights) of rank 0's next send(), on this group's device."""
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._broadcast(size)
+        self._broadcast([size])
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._broadcast(data)
+        self._broadcast([data])
         header = json.loads(data.cpu().numpy().tobytes())
         weights = {}
         for name, dtype, shape in header["tensors"]:
             if dtype not in DTYPES:
                 raise ValueError(f"the weight group's header names {name!r} as {dtype}, not a weight dtype")
             weights[name] = torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
-            self._broadcast(_as_bytes(weights[name]))
+        self._broadcast(_as_bytes(tensor) for tensor in weights.values())
         return int(header["version"]), weights
 
     def close(self) -> None:
@@ -99,11 +109,67 @@ class WeightGroup:
             self._group.abort()
         self._group = None
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        """Collective: rank 0's `tensor` into every member's."""
+    def _broadcast(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Collective: rank 0's `tensors` into every member's, in order, finished on the host before this returns.
+        gloo runs them one at a time (a failed gloo group drains its queue, each op waiting out the timeout,
+        before it can be dropped); NCCL back to back on its stream and finished once, by the last (a failure
+        aborts the communicator, and every op queued on it, in close())."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self._group.broadcast([tensor], options).wait()
+        work = None
+        for tensor in tensors:
+            if work is not None and self.spec.backend == "gloo":
+                finish(work, self.spec.timeout_s)
+            work = self._group.broadcast([tensor], options)
+        if work is not None:
+            finish(work, self.spec.timeout_s)
+
+
+def finish(work: Any, timeout_s: float, *, clock: Callable[[], float] = time.monotonic,
+           sleep: Callable[[float], None] = time.sleep) -> None:
+    """Block this thread until the collective `work` has completed, or raise TimeoutError after `timeout_s`; raise
+    what it failed with. A gloo Work's wait() blocks until then; an NCCL Work's returns at once (it only orders the
+    current CUDA stream), so completion is polled, and wait() again, once completed, raises the error it ended
+    with (a timeout or a peer gone, seen by PyTorch's watchdog)."""
+    deadline = clock() + timeout_s
+    work.wait()
+    pause = 5e-5
+    while not work.is_completed():
+        if clock() >= deadline:
+            raise TimeoutError(f"a weight-group broadcast did not complete within {timeout_s:g} s (the group's "
+                               "timeout, backend.health_timeout_s): a member is gone or stuck")
+        sleep(pause)
+        pause = min(2 * pause, 5e-3)
+    work.wait()
+
+
+_NCCL_ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_ABORT_ONLY = "2"
+"""On a collective's error or timeout, PyTorch's watchdog aborts the communicator and leaves the process alone
+(its default, 3, takes the process down: an engine lost mid-push would end trainer rank 0)."""
+
+
+def nccl_group(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """The weight group's ProcessGroupNCCL, built with the watchdog set to abort only (it reads the setting as it
+    is built); the process's own setting is back in place after, for any other group."""
+    options = dist.ProcessGroupNCCL.Options()
+    # The watchdog's own deadline, past finish()'s: finish() raises first and the caller aborts the group.
+    options._timeout = 2 * timeout
+    with _environment(_NCCL_ERRORS, _ABORT_ONLY):
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,16 @@
 """The weight group (rollout/weight_broadcast.py) over gloo: members are threads of this process, each with a
 group of its own (as the Ray backend's trainer rank 0 and engine actors each hold one)."""
 
+import datetime
+import os
 import threading
 import time
 
+import pytest
 import torch
+import torch.distributed as dist
 
-from flashreinforce.rollout.weight_broadcast import WeightGroup, WeightGroupSpec
+from flashreinforce.rollout.weight_broadcast import WeightGroup, WeightGroupSpec, finish, nccl_group
 from flashreinforce.trainer.distributed import launcher_store
 
 
@@ -79,3 +83,118 @@ def test_a_member_that_never_joins_fails_the_others_within_the_timeout():
     results = _members(3, lambda rank, group: None, timeout_s=2.0, joining=[0, 1])
     assert time.monotonic() - started < 20
     assert all(isinstance(results[rank], Exception) for rank in (0, 1)), results
+
+
+# ---- completion on the host (what NCCL's wait() does not give) -----------------------------------------------
+
+class StuckWork:
+    """A collective's Work as NCCL hands it out when a peer is gone: wait() returns at once (it only makes the
+    current CUDA stream wait) and the work never completes."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        return True
+
+    def is_completed(self):
+        return False
+
+
+class StuckGroup:
+    """A process group whose every broadcast is a StuckWork."""
+
+    def __init__(self):
+        self.works = []
+
+    def broadcast(self, tensors, options):
+        self.works.append(StuckWork())
+        return self.works[-1]
+
+    def abort(self):
+        pass
+
+
+def _stuck(timeout_s):
+    """A WeightGroup over a StuckGroup (the NCCL path's host side, without a GPU)."""
+    group = WeightGroup.__new__(WeightGroup)
+    group.spec = WeightGroupSpec("tcp://127.0.0.1:1", 1, 2, "nccl", timeout_s)
+    group.rank, group.device, group._group = 0, torch.device("cpu"), StuckGroup()
+    return group
+
+
+def test_a_push_whose_collective_never_completes_fails_on_the_host_within_the_timeout():
+    """rank 0's send and an engine's receive raise within the group's timeout, so the trainer actor can leave the
+    group and answer the driver (rank 0 never fails because of an engine), instead of counting a wait() that
+    returned at once as a push done."""
+    for side in ("send", "receive"):
+        group = _stuck(timeout_s=0.3)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"did not complete within 0.3 s"):
+            if side == "send":
+                group.send({"w": torch.ones(3)}, version=1)
+            else:
+                group.receive()
+        assert time.monotonic() - started < 3.0, side
+        assert group._group.works[0].waits >= 1, "wait() returned, and did not count as done"
+
+
+class Work:
+    """A Work that completes at its `completes_at`-th check, ending with `error` (raised by wait() from then)."""
+
+    def __init__(self, completes_at, error=None):
+        self.completes_at, self.error, self.checks = completes_at, error, 0
+
+    def wait(self, timeout=None):
+        if self.error is not None and self.checks >= self.completes_at:
+            raise self.error
+        return True
+
+    def is_completed(self):
+        self.checks += 1
+        return self.checks >= self.completes_at
+
+
+def test_finish_waits_for_completion_and_raises_what_the_collective_ended_with():
+    work = Work(completes_at=4)
+    finish(work, timeout_s=5.0)
+    assert work.checks == 4
+    with pytest.raises(RuntimeError, match="watchdog caught collective operation timeout"):
+        finish(Work(completes_at=2, error=RuntimeError("watchdog caught collective operation timeout")), 5.0)
+
+
+def test_finish_gives_up_at_its_deadline_on_a_work_that_never_completes():
+    now = [0.0]
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+
+    with pytest.raises(TimeoutError, match="within 2 s"):
+        finish(StuckWork(), 2.0, clock=lambda: now[0], sleep=sleep)
+    assert 2.0 <= now[0] < 2.01 and max(slept) <= 0.005  # polled, never one long sleep past the deadline
+
+
+def test_the_nccl_weight_group_is_built_with_the_watchdog_set_to_abort_only(monkeypatch):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING is read as a ProcessGroupNCCL is built; the weight group's is built with 2
+    (abort the communicator, keep the process), and the process's own setting is back after. A fake
+    ProcessGroupNCCL: this torch may have none, and no GPU is needed to check what it is built with."""
+    seen = {}
+
+    class FakeNCCL:
+        class Options:
+            _timeout = None
+
+        def __init__(self, store, rank, size, options):
+            seen.update(handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), timeout=options._timeout)
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    nccl_group(None, 0, 2, datetime.timedelta(seconds=5))
+    assert seen == {"handling": "2", "timeout": datetime.timedelta(seconds=10)}
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    nccl_group(None, 0, 2, datetime.timedelta(seconds=5))
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
