@@ -236,3 +236,20 @@ def test_held_out_evaluation_decodes_the_same_on_the_threaded_and_the_lockstep_e
     assert len(lockstep) == 16 * 4
     for _ in range(3):
         assert asyncio.run(decode(overlap=True)) == lockstep
+
+
+@pytest.mark.slow
+def test_the_own_model_recipe_trains_a_hugging_face_model_on_chat_rows(save_chat_model, tmp_path):
+    """The recipe the README gives for one's own model and data, as shipped (bf16, gradient checkpointing, the
+    reference lr), on a small saved model with its budgets cut to a test's size."""
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}], "reward_model": {"ground_truth": str(a + b)},
+             "data_source": "sums"} for a in range(4) for b in range(4)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config("own_model", [f"model.path={save_chat_model(32, 2)}", f"data.train={data}",
+                                       f"data.eval={data}", "rollout.max_new_tokens=8", "scheduler.batch_groups=4",
+                                       "trainer.steps=2", "eval.num_prompts=4", "eval.k=1", "eval.every=0",
+                                       "log.progress=false", "log.tensorboard=false", "verifier.max_workers=1"])
+    assert (config.trainer.lr, config.precision.trainer, config.trainer.gradient_checkpointing) == (1e-6, "bf16", True)
+    summary = run_training(config, run_dir=tmp_path / "run")
+    assert summary["optimizer_steps"] == 2 and summary["trained_trajectories"] == 8
