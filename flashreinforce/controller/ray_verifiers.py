@@ -45,6 +45,8 @@ class RayVerifiers:
         self._ids = itertools.count()
         self.active = [self._new() for _ in range(self.floor)]
         self._starting: asyncio.Task | None = None
+        self._pending: _Verifier | None = None
+        """The actor _starting waits for: not yet active, so close() must stop it by itself."""
         self._queued = 0
         self._deep_at = time.monotonic()
         self._retired: collections.Counter[str] = collections.Counter()
@@ -107,7 +109,7 @@ class RayVerifiers:
 
     async def _start_one(self) -> None:
         """A new actor joins once it answers, so no items wait for its start."""
-        verifier = self._new()
+        verifier = self._pending = self._new()
         try:
             await asyncio.wait_for(verifier.actor.ping.remote(), START_TIMEOUT_S)
         except (RayActorError, asyncio.TimeoutError) as error:
@@ -116,7 +118,7 @@ class RayVerifiers:
         else:
             self.active.append(verifier)
         finally:
-            self._starting = None
+            self._starting = self._pending = None
 
     def _shrink(self) -> None:
         if self._queued == 0 and len(self.active) > self.floor and time.monotonic() - self._deep_at > _IDLE_S:
@@ -134,7 +136,8 @@ class RayVerifiers:
     def close(self) -> None:
         if self._starting is not None:
             self._starting.cancel()
-        for verifier in self.active:
+        # Killed here, not by the cancelled start: a close() on the way out may be the event loop's last turn.
+        for verifier in [*self.active, *([self._pending] if self._pending is not None else [])]:
             ray.kill(verifier.actor, no_restart=True)
 
 
