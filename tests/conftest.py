@@ -5,13 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
-EXTRA_MARKERS = {"ray": ("ray",), "lora": ("peft",), "trl": ("trl",), "models": ("gguf", "accelerate"),
-                 "reasoning_gym": ("reasoning_gym",), "textworld": ("textworld",), "vllm": ("vllm",),
-                 "wandb": ("wandb",)}
-"""A marker naming an optional extra (pyproject's optional-dependencies) -> the packages it installs. A test
-with the marker skips, naming the extra, where they are missing: `pip install -e '.[test]'` runs the rest
-(tests/unit/test_optional_imports.py checks that no test imports an extra's package unguarded)."""
+from optional_extras import EXTRA_MARKERS
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -20,6 +14,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if item.get_closest_marker(marker) is not None and missing:
             extra = marker.replace("_", "-")
             pytest.skip(f"needs the {extra} extra ({', '.join(missing)} not installed): pip install -e '.[{extra}]'")
+
 
 TINY_RUN = [
     "model.tiny.hidden_size=32",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXTRA_MARKERS
+from optional_extras import EXTRA_MARKERS
 
 TESTS = Path(__file__).resolve().parents[1]
 PACKAGE = TESTS.parent / "flashreinforce"

@@ -1,0 +1,9 @@
+"""The markers of tests that need an optional extra, shared by tests/conftest.py (which skips them) and
+tests/unit/test_optional_imports.py (which checks that no test imports an extra's package unguarded)."""
+
+EXTRA_MARKERS = {"ray": ("ray",), "lora": ("peft",), "trl": ("trl",), "models": ("gguf", "accelerate"),
+                 "reasoning_gym": ("reasoning_gym",), "textworld": ("textworld",), "vllm": ("vllm",),
+                 "wandb": ("wandb",)}
+"""A marker naming an optional extra (pyproject's optional-dependencies) -> the packages it installs. A test
+with the marker skips, naming the extra, where they are missing: `pip install -e '.[test]'` runs the rest
+(tests/unit/test_optional_imports.py checks that no test imports an extra's package unguarded)."""
