@@ -193,8 +193,11 @@ class TrainerActor:
         return metrics, self.trainer.version
 
     def weights(self) -> dict[str, Any]:
-        """The weights engines load (on the CPU: an engine may be on another machine or device)."""
-        return {name: tensor.detach().cpu() for name, tensor in self.trainer.weights().items()}
+        """The weights engines load (on the CPU: an engine may be on another machine or device); a tied weight is
+        one tensor under both its names, so it goes through the object store once."""
+        from flashreinforce.rollout.weight_broadcast import copied_once
+
+        return copied_once(self.trainer.weights(), lambda tensor: tensor.detach().cpu())
 
     def versioned_weights(self) -> tuple[int, dict[str, Any]]:
         """(version, weights()): what a restarting engine loads, labeled here so the label cannot lag a step."""

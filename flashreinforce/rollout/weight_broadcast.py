@@ -9,9 +9,9 @@ engines as 1..N, built directly as `ProcessGroupGloo` / `ProcessGroupNCCL` objec
 group the process has. A group has fixed members: when an engine is lost the driver builds a new one under a
 new `generation` (a prefix in the same store, so stale keys never meet).
 
-Every push is self-describing: a JSON header (version; each tensor's name, dtype, shape) goes first, as bytes,
-then the tensors in the header's order, so a receiver needs nothing but the group. JSON, not pickle: the bytes
-come from the network.
+Every push is self-describing: a JSON header (version; each tensor's name, dtype, shape; which names are tied to
+another) goes first, as bytes, then the tensors in the header's order, a tied one once, so a receiver needs
+nothing but the group. JSON, not pickle: the bytes come from the network.
 
 A failure must reach the host, where the caller can leave the group: an NCCL Work's wait() only makes the current
 CUDA stream wait and returns at once, so every collective is finished by polling its completion against the
@@ -79,28 +79,36 @@ class WeightGroup:
         self._broadcast([torch.zeros(1, device=self.device)])  # every member is connected before the first push
 
     def send(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Rank 0: `weights` at `version` to every other member (each tensor once, on this group's device)."""
-        header = {"version": version, "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
-                                                  for name, t in weights.items()]}
+        """Rank 0: `weights` at `version` to every other member (each tensor once, on this group's device; a tied
+        one once for all its names)."""
+        tied = tied_names(weights)
+        header = {"version": version, "tied": tied, "tensors": [[name, str(t.dtype).removeprefix("torch."),
+                                                                 list(t.shape)] for name, t in weights.items()]}
         data = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
         self._broadcast([torch.tensor([data.numel()], dtype=torch.int64, device=self.device)])
         self._broadcast([data.to(self.device)])
-        self._broadcast(_as_bytes(tensor.detach().to(self.device).contiguous()) for tensor in weights.values())
+        self._broadcast(_as_bytes(tensor.detach().to(self.device).contiguous())
+                        for name, tensor in weights.items() if name not in tied)
 
     def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """Any other rank: (version, weights) of rank 0's next send(), on this group's device."""
+        """Any other rank: (version, weights) of rank 0's next send(), on this group's device, in the sender's
+        order; tied names hold one tensor, as they did there."""
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._broadcast([size])
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self._broadcast([data])
         header = json.loads(data.cpu().numpy().tobytes())
+        tied: dict[str, str] = header["tied"]
         weights = {}
         for name, dtype, shape in header["tensors"]:
             if dtype not in DTYPES:
                 raise ValueError(f"the weight group's header names {name!r} as {dtype}, not a weight dtype")
-            weights[name] = torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
+            if name not in tied:
+                weights[name] = torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
+        if not set(tied.values()) <= weights.keys():
+            raise ValueError(f"the weight group's header ties names to tensors it does not send: {tied}")
         self._broadcast(_as_bytes(tensor) for tensor in weights.values())
-        return int(header["version"]), weights
+        return int(header["version"]), {name: weights[tied.get(name, name)] for name, _, _ in header["tensors"]}
 
     def close(self) -> None:
         """Leave the group. NCCL communicators are aborted (they hold GPU memory and threads, and a peer may be
@@ -123,6 +131,33 @@ class WeightGroup:
             work = self._group.broadcast([tensor], options)
         if work is not None:
             finish(work, self.spec.timeout_s)
+
+
+def tied_names(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """{name: the earlier name whose tensor it is}: tied weights (input and output embeddings are one tensor under
+    two names in a tied model's state dict), which a push carries once."""
+    first: dict[tuple, str] = {}
+    tied = {}
+    for name, tensor in weights.items():
+        if tensor.numel() == 0:  # empty tensors may share a null address without being one tensor
+            continue
+        key = (tensor.device, tensor.dtype, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+               tuple(tensor.shape), tensor.stride())
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
+
+
+def copied_once(weights: Mapping[str, torch.Tensor],
+                copy: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`copy` of every tensor of `weights`, in order, a tied one copied once and the copy kept under each of its
+    names: one object, so pickling the dict (Ray's object store) carries its bytes once, and a model that loads
+    it is loaded with one tensor for its tied parameters."""
+    tied = tied_names(weights)
+    copies = {name: copy(tensor) for name, tensor in weights.items() if name not in tied}
+    return {name: copies[tied.get(name, name)] for name in weights}
 
 
 def finish(work: Any, timeout_s: float, *, clock: Callable[[], float] = time.monotonic,

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flashreinforce.models import build_model
+from flashreinforce.rollout import Engine
 from flashreinforce.rollout.weight_broadcast import WeightGroup, WeightGroupSpec, finish, nccl_group
 from flashreinforce.trainer.distributed import launcher_store
 
@@ -198,3 +200,38 @@ def test_the_nccl_weight_group_is_built_with_the_watchdog_set_to_abort_only(monk
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     nccl_group(None, 0, 2, datetime.timedelta(seconds=5))
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+
+
+# ---- tied weights ------------------------------------------------------------------------------------------------
+
+def test_a_tied_weight_is_sent_once_and_loads_into_an_engine_still_tied():
+    """Tied input and output embeddings are one tensor under two names: it crosses the group once, comes out as
+    one tensor under both names, and an engine loading it holds the trainer's weights, its own still tied."""
+    weights = build_model(256, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64,
+                          seed=1).state_dict()
+    assert weights["lm_head.weight"].data_ptr() == weights["model.embed_tokens.weight"].data_ptr()
+    sent = []
+
+    def work(rank, group):
+        if rank == 0:
+            inner = group._group
+
+            class Counting:
+                def broadcast(self, tensors, options):
+                    sent.append(tensors[0].numel())
+                    return inner.broadcast(tensors, options)
+
+            group._group = Counting()
+            return group.send(weights, version=3)
+        return group.receive()
+
+    version, got = _members(2, work)[1]
+    once = sum(t.numel() * t.element_size() for name, t in weights.items() if name != "lm_head.weight")
+    assert sum(sent[2:]) == once, "bytes sent after the header: the tied weight went twice"
+    assert list(got) == list(weights) and got["lm_head.weight"] is got["model.embed_tokens.weight"]
+    engine = Engine(build_model(256, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64, seed=2),
+                    max_batch_size=1, max_context=64)
+    engine.load_weights(got, version)
+    held = engine.model.state_dict()
+    assert all(torch.equal(held[name], tensor) for name, tensor in weights.items())
+    assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
