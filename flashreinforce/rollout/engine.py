@@ -204,10 +204,12 @@ class Engine:
         self.numerics = numerics
         self._fp8_names = fp8_parameter_names(model) if numerics and numerics.precision == "fp8" else frozenset()
         if numerics is not None:
+            # Formatted from the weights as given, as a push formats its state dict: formatting the cast copy
+            # would round twice (fp8 of bf16), a version-0 engine unlike one pushed the same weights. The dict
+            # keeps the given tensors alive through the cast.
+            given = model.state_dict()
             model.to(numerics.compute_dtype)
-            with torch.no_grad():
-                for name, tensor in model.state_dict().items():
-                    tensor.copy_(self._formatted(name, tensor))
+            self._copy_formatted(model.state_dict(), given)
         self.model = model.eval()
         # An MoE model's routers are recorded for router replay (R3) in every forward, for the engine's life.
         self._route_shape = route_shape(model)
@@ -361,13 +363,18 @@ class Engine:
             )
         if version < self._version:
             raise ValueError(f"load_weights: version {version} is older than the engine's version {self._version}")
-        with torch.no_grad():
-            for name, tensor in own.items():
-                tensor.copy_(self._formatted(name, state_dict[name]))
+        self._copy_formatted(own, state_dict)
         if version != self._version:
             for r in self._running:
                 r.stale_context = r.stale_context or r.kv_len > 0
         self._version = version
+
+    def _copy_formatted(self, own: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor]) -> None:
+        """The one way weights enter the engine: each tensor of `own` (the model's state dict) becomes the
+        tensor of `source` of that name, in the engine's numerics (bf16, fp8; compute dtype)."""
+        with torch.no_grad():
+            for name, tensor in own.items():
+                tensor.copy_(self._formatted(name, source[name]))
 
     def _formatted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.numerics is None or not self.numerics.formats_weights:
