@@ -16,7 +16,7 @@ Glossary, one word per idea:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort", "turns", "env_error"]
@@ -268,11 +268,3 @@ class Trajectory:
         """Version of the stalest sampled token (the one that bounds this trajectory's lag)."""
         versions = [v for v, m in zip(self.policy_versions, self.loss_mask) if m]
         return min(versions) if versions else FORCED_VERSION
-
-
-@dataclass(frozen=True)
-class WeightsRef:
-    """Weights for a given policy version: a state_dict locally, an object ref under Ray."""
-
-    version: int
-    ref: Any = field(repr=False)

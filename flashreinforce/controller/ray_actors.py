@@ -256,9 +256,6 @@ class TrainerActor:
             return {str(path.relative_to(scratch)): path.read_bytes()
                     for path in sorted(Path(scratch).rglob("*")) if path.is_file()}
 
-    def ping(self) -> int:
-        return self.trainer.version if self.trainer is not None else -1
-
 
 class VerifierActor:
     """A VerifierPool (`factory(**options)`: worker processes with timeouts and memory caps for user code)."""
