@@ -51,9 +51,10 @@ class TinyModelConfig(_Section):
 
 class ModelConfig(_Section):
     path: str | None = None
-    """Local directory of a Hugging Face causal LM (weights + tokenizer), or the name of a model converted by
-    `flashreinforce models get` (e.g. smollm2-135m-instruct). None builds `tiny` from scratch with the
-    synthetic task's character tokenizer (and warm-starts it with `sft`)."""
+    """A Hugging Face causal LM (weights + tokenizer): a local directory; a model id on the Hugging Face Hub
+    (ORG/NAME, fetched once into the Hugging Face cache; offline, a cached one still loads); or the name of a
+    model converted by `flashreinforce models get` (e.g. smollm2-135m-instruct). None builds `tiny` from scratch
+    with the synthetic task's character tokenizer (and warm-starts it with `sft`)."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the model built when `path` is None."""
 

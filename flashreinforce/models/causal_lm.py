@@ -183,8 +183,7 @@ def check_model_dir(path: str | Path, *, field: str = "model path") -> Path:
     if file == path and not path.is_dir():
         raise ValueError(
             f"{field} {str(path)!r} does not exist: it must be a local directory holding config.json and the "
-            "weights, written by save_pretrained (models are never downloaded; for a Hub model, download it "
-            "first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`, and pass DIR)"
+            "weights, written by save_pretrained, or (model.path) a Hugging Face model id such as ORG/NAME"
         )
     name = "the directory" if file == path else file.name
     raise ValueError(f"{field} {str(path)!r}: {name} {what}; restore it from a backup or save the model again "

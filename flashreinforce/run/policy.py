@@ -47,14 +47,16 @@ def load_policy(path: str | Path, *, field: str = "model path") -> Policy:
 
 
 def resolve_model_path(path: str) -> Path:
-    """model.path as a directory: a path, or the name of a model `flashreinforce models get` converted (a
-    recipe cannot know where a user's cache is). A known name whose conversion is missing is an error naming
-    the command that makes it."""
-    from flashreinforce.models import store
+    """model.path as a directory: a path; the name of a model `flashreinforce models get` converted (a recipe
+    cannot know where a user's cache is; a known name whose conversion is missing is an error naming the
+    command that makes it); or a Hugging Face model id, fetched into the Hugging Face cache (models/hub.py)."""
+    from flashreinforce.models import hub, store
 
-    if Path(path).exists() or path not in store.KNOWN_MODELS:
-        return Path(path)
-    return model_path(path, None, field="model.path")
+    if path in store.KNOWN_MODELS and not Path(path).exists():
+        return model_path(path, None, field="model.path")
+    if hub.is_hub_id(path):
+        return hub.fetch_hub_model(path, field="model.path")
+    return Path(path)
 
 
 def side_numerics(config: RunConfig, side: str) -> Numerics:
