@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from flashreinforce.trainer.distributed import rank_gpu
+
 
 def resolve_device(field: str, setting: str, *, rank: int = 0) -> torch.device:
     """auto: cuda when a GPU is visible, else cpu. A data-parallel rank on GPUs takes GPU `rank` (mod count)."""
@@ -14,4 +16,4 @@ def resolve_device(field: str, setting: str, *, rank: int = 0) -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError(f"{field}=cuda but torch sees no GPU (torch {torch.__version__}, CUDA build: "
                          f"{torch.version.cuda or 'no'}); install a CUDA build of torch or set {field}=cpu")
-    return torch.device("cuda", rank % torch.cuda.device_count())
+    return rank_gpu(rank)

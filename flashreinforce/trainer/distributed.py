@@ -68,7 +68,7 @@ def join_group(group: RankGroup, timeout_s: float = 300.0) -> None:
 
 def rank_gpu(rank: int) -> torch.device:
     """The GPU a rank computes on: GPU `rank` of those visible, modulo their count (the one GPU a Ray actor
-    sees), the same choice as run/devices.py's resolve_device for its trainer."""
+    sees). run/devices.py's resolve_device gives its trainer the same one."""
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
