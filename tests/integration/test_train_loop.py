@@ -59,8 +59,9 @@ def test_default_loop_writes_a_complete_run_directory(tiny_run, tmp_path):
         pytest.param(["algo.loss=dapo", "scheduler.group_size=4", "scheduler.batch_groups=2",
                       "algo.dynamic_sampling=true", "algo.overlong={max_length: 40, cache: 10}"],
                      marks=pytest.mark.slow),  # dynamic sampling: ~10 s of regenerated groups
-        ["algo.loss=misc", "scheduler.group_size=2", "scheduler.batch_groups=4",
-         "algo.wpsm={tau: 0.2, eta: 0.5}", "scheduler.kind=april", "scheduler.mask_offpolicy=true"],
+        pytest.param(["algo.loss=misc", "scheduler.group_size=2", "scheduler.batch_groups=4",
+                      "algo.wpsm={tau: 0.2, eta: 0.5}", "scheduler.kind=april", "scheduler.mask_offpolicy=true"],
+                     marks=pytest.mark.slow),
     ],
     ids=["sync", "april", "urb", "stream-drop", "grpo", "gspo-urb", "dapo", "misc-wpsm-april"],
 )
@@ -151,7 +152,7 @@ def _count_pauses(monkeypatch) -> list[int]:
     return pauses
 
 
-@pytest.mark.parametrize("kind", ["stream", "urb"])
+@pytest.mark.parametrize("kind", ["stream", pytest.param("urb", marks=pytest.mark.slow)])
 def test_in_flight_updates_push_without_pausing_and_keep_the_lag_bound(tiny_run, tmp_path, monkeypatch, kind):
     pauses = _count_pauses(monkeypatch)
     config = load_config(None, [*tiny_run, "trainer.steps=5", "trainer.checkpoint_every=0", "eval.every=0",

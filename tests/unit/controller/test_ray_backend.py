@@ -103,6 +103,7 @@ async def until_healthy(backend, timeout_s=120.0):
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.slow  # real Ray actors (the module's backend starts in ~15 s)
 def test_requests_go_to_both_engines_and_come_back_once(backend, setup, loop):
     ids = [f"r{i}" for i in range(24)]
 
@@ -121,6 +122,7 @@ def test_requests_go_to_both_engines_and_come_back_once(backend, setup, loop):
     assert backend.stats()["engine/sampled_tokens"] == sum(len(g.token_ids) for g in got.values())
 
 
+@pytest.mark.slow  # real Ray actors (the module's backend starts in ~15 s)
 def test_pause_abort_resume_keep_every_prefix(backend, setup, loop):
     ids = [f"p{i}" for i in range(24)]
 
@@ -163,6 +165,7 @@ def _train_once(backend, setup, loop):
     return loop.run_until_complete(run())
 
 
+@pytest.mark.slow  # real Ray actors (the module's backend starts in ~15 s)
 def test_push_weights_gives_every_engine_the_trainers_version(backend, setup, loop, tmp_path):
     metrics = _train_once(backend, setup, loop)
     assert "loss/policy" in metrics and backend.trainer.version == 1
@@ -185,6 +188,7 @@ def test_push_weights_gives_every_engine_the_trainers_version(backend, setup, lo
     assert (tmp_path / "model" / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow  # real Ray actors (the module's backend starts in ~15 s)
 def test_a_killed_engine_restarts_with_the_current_weights_and_loses_nothing(backend, setup, loop):
     state = backend.state_dict()
     backend.load_state_dict({**state, "version": 7})  # the version a run resumed at, say
@@ -237,6 +241,7 @@ def test_a_hung_engine_is_detected_within_its_deadline(backend, setup, loop):
     assert detected < _POLL_S + HEALTH_S + 3.0, f"a hung engine took {detected:.1f} s to notice"
 
 
+@pytest.mark.slow  # real Ray actors (the module's backend starts in ~15 s)
 def test_a_killed_verifier_actor_is_replaced_and_its_items_scored_again(setup, loop, tmp_path):
     reward = tmp_path / "slow_reward.py"
     reward.write_text("import time\n\ndef reward(completion, ground_truth, prompt):\n"
@@ -261,6 +266,7 @@ def test_a_killed_verifier_actor_is_replaced_and_its_items_scored_again(setup, l
         verifiers.close()
 
 
+@pytest.mark.slow  # real Ray actors (the module's backend starts in ~15 s)
 def test_verifier_actors_grow_with_the_queue_up_to_max_workers(setup, loop):
     verifiers = RayVerifiers(setup.settings, verifier_options(setup.config, workers=1), "test-grow")
     try:
@@ -383,6 +389,7 @@ def _assert_engines_hold_rank_0s_weights(backend):
         assert all(torch.equal(held[name], tensor) for name, tensor in expected.items()), engine.name
 
 
+@pytest.mark.slow  # real Ray actors (the module's backend starts in ~15 s)
 def test_a_broadcast_push_gives_every_engine_rank_0s_weights_bit_for_bit(broadcasting, setup, loop):
     before = _engine_weights(broadcasting.engines[0])
     _train_moving(broadcasting, setup, loop, "s")
@@ -401,6 +408,7 @@ def test_a_broadcast_push_gives_every_engine_rank_0s_weights_bit_for_bit(broadca
     assert all(set(g.policy_versions) == {1} for g in loop.run_until_complete(run()).values())
 
 
+@pytest.mark.slow  # real Ray actors (the module's backend starts in ~15 s)
 def test_an_engine_that_misses_a_broadcast_gets_the_weights_through_the_object_store(broadcasting, setup, loop):
     """Engine 0 leaves the group before a push: it cannot receive, the push falls back for whoever missed it,
     and the next push builds a new generation that reaches both engines again."""
@@ -421,6 +429,7 @@ def test_an_engine_that_misses_a_broadcast_gets_the_weights_through_the_object_s
     _assert_engines_hold_rank_0s_weights(broadcasting)
 
 
+@pytest.mark.slow  # real Ray actors (the module's backend starts in ~15 s)
 def test_a_killed_engine_catches_up_from_rank_0_and_rejoins_the_group(broadcasting, setup, loop):
     """After a broadcast nothing in the object store holds the weights: a restarted engine loads rank 0's
     versioned weights, and the next push builds a group with it again."""

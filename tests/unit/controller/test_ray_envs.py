@@ -17,7 +17,7 @@ from flashreinforce.envs.pool import EnvPool  # noqa: E402
 from flashreinforce.envs.protocol import EnvSpec  # noqa: E402
 from flashreinforce.types import Prompt  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("local_ray")]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # slow: a Ray start
 
 ENV_MODULE = textwrap.dedent('''
     import os

@@ -123,9 +123,11 @@ def test_the_ranks_share_out_every_row_once():
 
 # 3 ranks, 2 rows: rank 2 trains nothing and still takes part in the sum (sharded: in every gather and
 # reduce-scatter of its peers' microbatches)
-# an MoE model (4 experts, top-2): the experts a rank's tokens do not pick still get their (zero) gradient shards
+# an MoE model (4 experts, top-2): the experts a rank's tokens do not pick still get their (zero) gradient shards.
+# Slow: rank processes of their own (~8 s each on 2 cores); test_trainer.py checks microbatches in one process.
 @pytest.mark.parametrize(("world_size", "rows", "sharding", "experts"), [
-    (2, 7, "replicate", 0), (2, 7, "fsdp", 0), pytest.param(2, 7, "fsdp", 4, marks=pytest.mark.slow),
+    pytest.param(2, 7, "replicate", 0, marks=pytest.mark.slow), pytest.param(2, 7, "fsdp", 0, marks=pytest.mark.slow),
+    pytest.param(2, 7, "fsdp", 4, marks=pytest.mark.slow),
     pytest.param(3, 2, "replicate", 0, marks=pytest.mark.slow), pytest.param(3, 2, "fsdp", 0, marks=pytest.mark.slow)])
 def test_gloo_ranks_give_the_one_process_gradient_and_step(tmp_path, one_thread, world_size, rows, sharding, experts):
     single, expected, reference = one_process_step(tmp_path, model(experts), batch(rows, num_experts=experts))
@@ -191,8 +193,9 @@ def test_a_rank_that_fails_to_start_fails_the_group_at_once_naming_it(tmp_path, 
 # unified fp8: the base is formatted whole (tensor scales) before it is sharded, and computes in fp32
 @pytest.mark.lora
 @pytest.mark.filterwarnings("ignore:trainer.lora with precision.mode=unified")
-@pytest.mark.parametrize("precision", ["fp32", pytest.param(Numerics("fp8", unified=True, fp8_scaling="tensor"),
-                                                            marks=pytest.mark.slow)], ids=["fp32", "fp8-unified"])
+@pytest.mark.slow  # two rank processes with peft (~8 s)
+@pytest.mark.parametrize("precision", ["fp32", Numerics("fp8", unified=True, fp8_scaling="tensor")],
+                         ids=["fp32", "fp8-unified"])
 def test_sharded_lora_ranks_give_the_one_process_adapter_gradient_and_merged_weights(tmp_path, one_thread,
                                                                                      precision):
     """FSDP over a LoRA model (its frozen base sharded too): the adapters' gradient is the one-process one,
@@ -284,7 +287,7 @@ def outlier_model(num_experts: int = 0) -> torch.nn.Module:
 # 3 ranks: the 16-row matrices shard unevenly (6, 6, 4 rows). 4 experts: each rank holds 2 whole (E, out, in)
 # expert matrices and scales them itself.
 @pytest.mark.parametrize(("numerics", "world_size", "experts"), [
-    (Numerics("fp8", unified=True, fp8_scaling="tensor"), 2, 0),
+    pytest.param(Numerics("fp8", unified=True, fp8_scaling="tensor"), 2, 0, marks=pytest.mark.slow),
     pytest.param(Numerics("fp8", unified=True, fp8_scaling="tensor"), 3, 0, marks=pytest.mark.slow),
     pytest.param(Numerics("fp8", unified=True, fp8_scaling="tensor"), 2, 4, marks=pytest.mark.slow),
     pytest.param(Numerics("fp8", unified=True, fp8_scaling="channel"), 2, 0, marks=pytest.mark.slow),

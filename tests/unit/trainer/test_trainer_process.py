@@ -96,6 +96,7 @@ def children():
     shared.close()
 
 
+@pytest.mark.slow  # a trainer process of its own (~5 s to start)
 def test_steps_match_an_inline_trainer_and_weights_are_published(children, one_thread, tmp_path):
     inline = tiny_trainer(model())
     remote = children.get(fresh=True)  # unstepped: the same weights and optimizer as `inline`
@@ -119,6 +120,7 @@ def test_steps_match_an_inline_trainer_and_weights_are_published(children, one_t
         torch.testing.assert_close(tensor, remote.weights()[name])
 
 
+@pytest.mark.slow  # a trainer process of its own (~5 s to start)
 def test_load_state_dict_restores_version_and_optimizer(children, one_thread):
     source = tiny_trainer(model())
     source.step(batch(0))
@@ -128,6 +130,7 @@ def test_load_state_dict_restores_version_and_optimizer(children, one_thread):
     assert remote.state_dict()["schedule"] == source.state_dict()["schedule"]
 
 
+@pytest.mark.slow  # a trainer process of its own (~5 s to start)
 def test_an_error_in_the_child_is_raised_here_with_its_traceback(children):
     with pytest.raises(ValueError, match="this factory refuses") as caught:
         TrainerProcess(broken_trainer, (model(),), template=model().state_dict(), threads=1)
@@ -143,6 +146,7 @@ def test_an_error_in_the_child_is_raised_here_with_its_traceback(children):
     assert remote.version == 1
 
 
+@pytest.mark.slow  # a trainer process of its own (~5 s to start)
 def test_a_dead_child_is_reported_with_its_exit_code(children):
     remote = children.take()  # killed here: no later test gets this child
     try:
