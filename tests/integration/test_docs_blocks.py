@@ -200,10 +200,13 @@ def test_tiny_puts_the_overrides_after_the_recipe():
     small = with_tiny_overrides(text, tiny=["a=1"], agent=["text_game", "b=2"], tool=["c=3"])
     assert small.splitlines() == [
         "flashreinforce train a=1 --output runs/demo   # the default",
-        "OMP_NUM_THREADS=1 .venv-vllm/bin/flashreinforce train a=1 rollout.engine=vllm x=2",
+        f"OMP_NUM_THREADS=1 .venv-vllm/bin/flashreinforce train a=1 {VLLM_TINY[0]} rollout.engine=vllm x=2",
         "flashreinforce train text_game b=2", f"flashreinforce eval {' '.join(EVAL_OVERRIDES)} runs/demo --k 8",
         "flashreinforce train --output runs/r a=1 'lora={r: 1}' && flashreinforce sft a=1 --output w",
         "python -m flashreinforce train tool_multiply c=3 --dry-run"]
+    vllm = with_tiny_overrides("flashreinforce train rollout.engine=vllm model.tiny.num_heads=2\n", tiny=["a=1"],
+                               agent=[], tool=[])
+    assert vllm == f"flashreinforce train a=1 {' '.join(VLLM_TINY)} rollout.engine=vllm model.tiny.num_heads=2\n"
 
 
 # --- running the blocks ---------------------------------------------------------------------------------------
@@ -215,6 +218,9 @@ TOOL_RUN = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.
             "eval.num_prompts=8", "eval.k=1", "log.progress=false", "verifier.min_workers=1",
             "verifier.max_workers=1", "env.max_workers=1"]
 """The tool_multiply recipe brought down as tests/conftest.py's AGENT_RUN brings down text_game."""
+VLLM_TINY = ["model.tiny.hidden_size=128"]
+"""With the vLLM engine: TINY_RUN's hidden 32 / 2 heads is a head size vLLM's CPU attention lacks; the docs'
+vLLM commands set model.tiny.num_heads=2, so 128 gives head size 64, as the default recipe on vLLM has."""
 
 
 def with_tiny_overrides(text: str, *, tiny: list[str], agent: list[str], tool: list[str]) -> str:
@@ -237,6 +243,9 @@ def with_tiny_overrides(text: str, *, tiny: list[str], agent: list[str], tool: l
                     where = token.start() - 1
                 break
             overrides = {"text_game": agent[1:], "tool_multiply": tool}.get(recipe, tiny)
+            line_end = text.find("\n", command.end())
+            if "rollout.engine=vllm" in text[command.end():None if line_end < 0 else line_end]:
+                overrides = [*overrides, *VLLM_TINY]  # before the block's own num_heads, which then sets head size
         else:
             overrides = EVAL_OVERRIDES
         text = f"{text[:where]} {' '.join(overrides)}{text[where:]}"
