@@ -47,8 +47,8 @@ SLACK_S = 2.0
 START_S = 10.0
 DRAIN_BYTES = 16 << 20
 """Output past the cap is read and counted up to here, then the pipe is closed (writes fail with EPIPE)."""
-OPT_IN = ("allow_unisolated=True (config: sandbox.allow_unisolated=true; "
-          "`flashreinforce sandbox --allow-unisolated`)")
+OPT_IN = ("allow_unisolated=True (the python_tool environment: env.options.allow_unisolated=true; the "
+          "command: `flashreinforce sandbox --allow-unisolated`)")
 
 
 @dataclasses.dataclass

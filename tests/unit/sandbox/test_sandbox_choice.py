@@ -9,7 +9,9 @@ from flashreinforce.sandbox import IsolationError, Sandbox, probe_isolation
 
 
 def test_none_without_the_opt_in_is_refused_naming_the_opt_in():
-    with pytest.raises(IsolationError, match="allow_unisolated=True"):
+    with pytest.raises(IsolationError, match=r"allow_unisolated=True \(the python_tool environment: "
+                                             r"env.options.allow_unisolated=true; the command: "
+                                             r"`flashreinforce sandbox --allow-unisolated`\)"):
         Sandbox(isolation="none")
 
 
