@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--markdown", action="store_true", help="as the tables of docs/config.md")
     config.set_defaults(run=_config)
 
-    bench = commands.add_parser("bench", help="run a benchmark from benchmarks/ (loss, engine, schedulers, vs-trl)")
+    bench = commands.add_parser("bench", help="run a benchmark from benchmarks/ of a source checkout (a wrong name "
+                                              "lists them: loss, engine, schedulers, vs-trl, mismatch, weight-sync...)")
     bench.add_argument("name")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
@@ -190,7 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come after an option too (`train a=1 --dry-run b=2`): argparse leaves a positional that
+    # follows an option unparsed, and subparsers rule out parse_intermixed_args.
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "items") and all("=" in item and not item.startswith("-") for item in rest):
+        args.items += rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         args.run(args)
     except ValueError as error:

@@ -75,3 +75,12 @@ def test_cli_reports_config_errors_without_a_traceback(capsys):
         main(["train", "trainer.steps=-3", "--dry-run"])
     assert exit_info.value.code == 2
     assert "trainer.steps" in capsys.readouterr().err
+
+
+def test_overrides_may_come_before_and_after_an_option(capsys):
+    main(["train", "scheduler.group_size=4", "--dry-run", "algo.loss=grpo"])
+    printed = capsys.readouterr().out
+    assert "loss: grpo" in printed and "group_size: 4" in printed
+    with pytest.raises(SystemExit):
+        main(["train", "--dry-run", "--no-such-option"])
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
