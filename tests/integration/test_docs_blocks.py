@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from optional_extras import EXTRA_MARKERS
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -44,9 +45,8 @@ INERT = {"text"}
 """Shown output, tables of output, diagrams: never run."""
 SKIP_REASONS = {"gpu": "needs a CUDA GPU", "cluster": "needs several machines",
                 "network": "needs a download", "ci": "CI runs it as written"}
-EXTRAS = {"ray": "ray", "lora": "peft", "models": "gguf", "reasoning-gym": "reasoning_gym", "trl": "trl",
-          "textworld": "textworld", "wandb": "wandb"}
-"""Extra -> the module it installs (`pip install -e '.[EXTRA]'`)."""
+EXTRAS = {marker.replace("_", "-"): packages for marker, packages in EXTRA_MARKERS.items() if marker != "vllm"}
+"""Extra -> the packages it installs (`pip install -e '.[EXTRA]'`); vLLM lives in a virtualenv of its own."""
 MODELS = {"smollm2-135m-instruct"}
 OTHER_NEEDS = {"vllm", "bubblewrap"}
 LINKED = ("benchmarks", "scripts", "examples", ".venv-vllm")
@@ -255,7 +255,7 @@ def with_tiny_overrides(text: str, *, tiny: list[str], agent: list[str], tool: l
 def missing(need: str) -> str | None:
     """Why `need` is not here (None: it is)."""
     if need in EXTRAS:
-        if importlib.util.find_spec(EXTRAS[need]) is None:
+        if any(importlib.util.find_spec(package) is None for package in EXTRAS[need]):
             return f"needs the {need} extra (pip install -e '.[{need}]')"
     elif need == "vllm":
         python = REPO / ".venv-vllm" / "bin" / "python"
