@@ -93,8 +93,9 @@ class Shard:
         return cls()
 
     def rows(self, num_rows: int) -> torch.Tensor:
-        """Indices of the rows of a (length-sorted) batch this rank trains: round-robin over the ranks."""
-        return torch.arange(self.rank, num_rows, self.world_size)
+        """Indices of the rows of a (length-sorted) batch this rank trains: round-robin over the ranks; none for
+        a rank past the batch's last row (a batch smaller than the group, e.g. after dynamic sampling)."""
+        return torch.arange(min(self.rank, num_rows), num_rows, self.world_size)
 
     def sum_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Every rank's `.grad` := the sum over ranks (a rank without rows contributes zeros), in one

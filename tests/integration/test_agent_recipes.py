@@ -11,11 +11,13 @@ pytestmark = pytest.mark.slow  # whole runs with sandboxed tool calls, ~10 s eac
 
 
 def _local(model_dir, data, tiny_run):
-    """The GPU recipes' settings brought down to this machine: the embedded engine, one process, tiny budgets."""
+    """The GPU recipes' settings brought down to this machine: the embedded engine, one process and one trainer
+    rank (the recipes shard over 4 or 8 GPUs), tiny budgets."""
     keep = [o for o in tiny_run if o.startswith(("log.", "verifier."))]
     return [*keep, f"model.path={model_dir}", "precision.trainer=fp32", "precision.rollout=fp32",
             f"data.train={data}", f"data.eval={data}",
-            "rollout.engine=local", "backend.kind=local", "rollout.max_batch_size=8", "rollout.max_new_tokens=24",
+            "rollout.engine=local", "backend.kind=local", "trainer.world_size=1", "trainer.sharding=replicate",
+            "rollout.max_batch_size=8", "rollout.max_new_tokens=24",
             "scheduler.batch_groups=4", "trainer.steps=2", "trainer.checkpoint_every=1", "trainer.microbatch_size=4",
             "trainer.warmup_steps=0", "eval.num_prompts=4", "eval.k=1", "eval.every=0", "env.max_prompt_tokens=64",
             "env.max_workers=1"]

@@ -119,6 +119,8 @@ def test_the_ranks_share_out_every_row_once():
     shares = [Shard(rank, 3).rows(8).tolist() for rank in range(3)]
     assert shares == [[0, 3, 6], [1, 4, 7], [2, 5]]
     assert Shard().rows(4).tolist() == [0, 1, 2, 3]
+    # more ranks than rows: the ranks past the last row train nothing (they still join every collective)
+    assert [Shard(rank, 8).rows(4).tolist() for rank in range(8)] == [[0], [1], [2], [3], [], [], [], []]
 
 
 # 3 ranks, 2 rows: rank 2 trains nothing and still takes part in the sum (sharded: in every gather and
