@@ -12,6 +12,7 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_trl.py"
 
 @pytest.mark.slow
 @pytest.mark.long  # out of CI's 45 minutes (-m long runs it)
+@pytest.mark.trl
 def test_quick_runs_every_method_from_one_warm_start(tmp_path):
     pytest.importorskip("trl", reason="vs-trl runs TRL's GRPOTrainer: pip install 'flashreinforce[trl]'")
     report_path, png = tmp_path / "vs_trl.json", tmp_path / "vs_trl.png"

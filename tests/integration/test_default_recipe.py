@@ -29,6 +29,8 @@ def test_default_recipe_gains_twenty_points(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~6 minutes, out of CI's 45: CI checks the 2-rank step against one process and kills and
+# resumes whole 2-rank runs (tests/integration/test_kill_resume.py)
 def test_default_recipe_on_two_data_parallel_ranks_gains_twenty_points(tmp_path):
     """trainer.world_size=2: two gloo ranks in processes of their own train each batch's halves (the step
     equals the one-rank step: tests/unit/trainer/test_data_parallel.py); the recipe must learn as well."""

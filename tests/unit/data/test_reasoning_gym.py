@@ -201,6 +201,7 @@ def test_config_default_instruction_is_the_loaders():
 
 # ---- with the real package ----
 
+@pytest.mark.reasoning_gym
 def test_real_tasks_are_deterministic_and_map_worked_solutions():
     pytest.importorskip("reasoning_gym", reason=SKIP_REASON)
     config = {"basic_arithmetic": {"max_terms": 2, "max_digits": 2, "operators": ["+", "-"],
@@ -220,6 +221,7 @@ def test_real_tasks_are_deterministic_and_map_worked_solutions():
                                   num_eval=1, seed=0)
 
 
+@pytest.mark.reasoning_gym
 def test_load_config_and_load_data(tmp_path):
     pytest.importorskip("reasoning_gym", reason=SKIP_REASON)
     from flashreinforce.run.data import load_data
