@@ -214,6 +214,8 @@ class Verdict:
     reason: str = "ok"
     """ok | wrong | no_answer | timeout | crash: <message> | ..."""
     seconds: float = 0.0
+    parts: tuple[tuple[str, float], ...] = ()
+    """A combined verifier's (name, reward) per part (verifiers/registry.py sum_verifier); () otherwise."""
 
 
 @dataclass(frozen=True)

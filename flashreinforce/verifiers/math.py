@@ -13,10 +13,11 @@ Nothing here runs user code or bounds time: verifiers/pool.py runs these calls u
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from fractions import Fraction
 
 from flashreinforce.data.arithmetic import THINK_CLOSE, THINK_OPEN
-from flashreinforce.types import Verdict
+from flashreinforce.types import Prompt, Verdict
 from flashreinforce.verifiers.symbolic import symbolic_equal
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -153,3 +154,8 @@ def _last_boxed(text: str) -> str | None:
             if depth == 0:
                 return text[match.end():i]
     return None
+
+
+def math_verifier() -> Callable[[str, str, Prompt], Verdict]:
+    """The registry's `math`: math_reward on the completion (no options)."""
+    return lambda completion, ground_truth, prompt: math_reward(completion, ground_truth)

@@ -5,7 +5,8 @@ A reward function is called once per trajectory:
     def my_reward(completion: str, ground_truth: str, prompt: Prompt) -> float | bool | Verdict
 
 A bool gives reward 1.0 / 0.0; a number r gives Verdict(reward=r, passed=r > 0); a Verdict is kept as
-is. References: a built-in name ("math"), "path/to/file.py:function" or "package.module:function".
+is. References: a registered verifier by name ("math") or as a JSON spec (verifiers/registry.py),
+"path/to/file.py:function" or "package.module:function".
 A reference that does not load (missing file, syntax error, no such function, wrong signature) is a
 ValueError naming it and the fix, raised when the pool starts, never per call. This module runs
 user code in whatever process calls it; verifiers/pool.py is what isolates it.
@@ -17,28 +18,23 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import math
-import numbers
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from flashreinforce.types import Prompt, Verdict
-from flashreinforce.verifiers.math import math_reward
-
-RewardFn = Callable[[str, str, Prompt], "float | bool | Verdict"]
-
-
-def _math(completion: str, ground_truth: str, prompt: Prompt) -> Verdict:
-    return math_reward(completion, ground_truth)
-
-
-BUILTIN_REWARDS: dict[str, RewardFn] = {"math": _math}
-"""Answer checking for math and the arithmetic task (boxed / "answer is" / after </think> / last number)."""
+from flashreinforce.verifiers.registry import (  # noqa: F401 - RewardFn, to_verdict: this module's API too
+    FACTORIES,
+    RewardFn,
+    build_verifier,
+    is_spec_ref,
+    spec_from_ref,
+    to_verdict,
+)
 
 
 def resolve_reward_ref(ref: str) -> str:
     """The canonical form of a reference: a file path made absolute, so worker processes find the same file."""
+    if is_spec_ref(ref):
+        return ref
     target, colon, name = ref.rpartition(":")
     if not colon or not _is_file(target):
         return ref
@@ -46,12 +42,13 @@ def resolve_reward_ref(ref: str) -> str:
 
 
 def load_reward_fn(ref: str) -> RewardFn:
-    """The callable a reference names, checked to take (completion, ground_truth, prompt)."""
-    if ref in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[ref]
+    """The callable a reference names, checked to take (completion, ground_truth, prompt): a registered
+    verifier by name or as a JSON spec (verifiers/registry.py), or a user function in a file or module."""
+    if is_spec_ref(ref):
+        return build_verifier(spec_from_ref(ref))
     target, colon, name = ref.rpartition(":")
     if not colon or not target or not name:
-        raise ValueError(f"reward function {ref!r}: use a built-in name ({', '.join(BUILTIN_REWARDS)}), "
+        raise ValueError(f"reward function {ref!r}: use a registered verifier ({', '.join(sorted(FACTORIES))}), "
                          "'path/to/file.py:function' or 'package.module:function'")
     module = _import_file(ref, Path(target)) if _is_file(target) else _import_module(ref, target)
     fn = getattr(module, name, None)
@@ -68,24 +65,6 @@ def load_reward_fn(ref: str) -> RewardFn:
     except ValueError:
         pass  # builtins without a signature: the first call will tell
     return fn
-
-
-def to_verdict(value: object) -> Verdict:
-    """A reward function's return value as a Verdict; a value of the wrong kind is an error verdict."""
-    if isinstance(value, Verdict):
-        if _finite(value.reward) and isinstance(value.passed, bool) and isinstance(value.reason, str):
-            return value
-    elif isinstance(value, bool):
-        return Verdict(reward=float(value), passed=value, reason="ok" if value else "wrong")
-    elif _finite(value):  # numpy scalars included
-        return Verdict(reward=float(value), passed=value > 0, reason="ok" if value > 0 else "wrong")
-    return Verdict(reward=0.0, passed=False,
-                   reason=f"error: reward function returned {value!r} ({type(value).__name__}); "
-                          "return a finite float, a bool or a Verdict(reward: float, passed: bool, reason: str)")
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_file(target: str) -> bool:

@@ -29,14 +29,14 @@ def test_relative_file_reference_is_made_absolute(monkeypatch):
 
 
 @pytest.mark.parametrize(("ref", "message"), [
-    ("nope", r"use a built-in name \(math\)"),
+    ("nope", r"use a registered verifier \(choice, .*math, .*\)"),
     ("missing.py:fn", r"'missing.py:fn': file missing.py not found .*fix the path"),
     (f"{SAMPLES}:absent", r"has no 'absent' \(it defines \[.*'exact'.*\]\); fix the name"),
     (f"{SAMPLES}:not_callable", r"not_callable is a int, not a function"),
     (f"{SAMPLES}:two_args", r"cannot be called as two_args\(completion, ground_truth, prompt\)"),
     ("no_such_package_xyz.mod:fn", r"importing module no_such_package_xyz.mod failed with ModuleNotFoundError"),
     ("json:dumps", r"cannot be called as dumps"),
-    (f"{SAMPLES}:", r"use a built-in name"),
+    (f"{SAMPLES}:", r"use a registered verifier"),
 ])
 def test_load_errors_name_the_reference_and_the_fix(ref, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,181 @@
+"""The unified verifier system: every verifier by name, built from a spec, called as a reward function.
+
+A spec is what a recipe writes after `verifier:`: a name (`math`), or a mapping with `kind` and the verifier's
+options (`{kind: ifeval, all: true}`), or a route by data_source (`{route: {gsm8k: math, ifeval: ifeval}}`), or
+a weighted sum (`{kind: sum, parts: [{kind: math, weight: 0.9}, {kind: format, weight: 0.1}]}`). Every built
+verifier has the signature of a user reward function, (completion, ground_truth, prompt) -> Verdict, so the
+verifier pool runs them all the same way, in its worker processes, by reference string (`spec_ref`).
+
+A verifier's options are the keyword-only parameters of its factory: `build_verifier` checks them against the
+signature, so an unknown option is an error naming it and the ones there are. Factories are imported when first
+built: a worker that scores math never imports the reward-model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flashreinforce.types import Prompt, Verdict
+
+RewardFn = Callable[[str, str, Prompt], Any]
+"""(completion, ground_truth, prompt) -> float | bool | Verdict."""
+
+FACTORIES: dict[str, str] = {
+    "math": "flashreinforce.verifiers.math:math_verifier",
+    "choice": "flashreinforce.verifiers.text:choice_verifier",
+    "exact": "flashreinforce.verifiers.text:exact_verifier",
+    "regex": "flashreinforce.verifiers.text:regex_verifier",
+    "format": "flashreinforce.verifiers.text:format_verifier",
+    "code": "flashreinforce.verifiers.code:code_verifier",
+    "ifeval": "flashreinforce.verifiers.ifeval:ifeval_verifier",
+    "reward_model": "flashreinforce.verifiers.reward_model:reward_model_verifier",
+    "judge": "flashreinforce.verifiers.judge:judge_verifier",
+    "sum": "flashreinforce.verifiers.registry:sum_verifier",
+    "route": "flashreinforce.verifiers.registry:route_verifier",
+}
+"""Verifier name -> "module:factory". A factory takes the verifier's options as keyword-only arguments and
+returns a RewardFn."""
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    """One verifier with its options, as parsed from a recipe (hashable; options hold JSON values)."""
+
+    kind: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dict(self.options)}
+
+
+def parse_spec(value: str | Mapping[str, Any], *, field: str = "verifier") -> VerifierSpec:
+    """A recipe's `verifier:` value as a VerifierSpec; a kind no factory has is an error listing the names."""
+    if isinstance(value, str):
+        kind, options = value, {}
+    elif isinstance(value, Mapping):
+        options = dict(value)
+        if "route" in options and "kind" not in options:
+            options["kind"] = "route"
+        kind = options.pop("kind", None)
+        if not isinstance(kind, str):
+            raise ValueError(f"{field}: a mapping needs `kind` (one of {sorted(FACTORIES)}) or `route`, got {value!r}")
+    else:
+        raise ValueError(f"{field}: a verifier name or a mapping with `kind`, got {value!r}")
+    if kind not in FACTORIES:
+        raise ValueError(f"{field}: unknown verifier {kind!r}; the registered ones: {', '.join(sorted(FACTORIES))}")
+    try:
+        json.dumps(options, sort_keys=True)
+    except TypeError as error:
+        raise ValueError(f"{field}: the options of {kind} must be plain values (JSON): {error}") from None
+    return VerifierSpec(kind, tuple(sorted(options.items())))
+
+
+def spec_ref(spec: VerifierSpec) -> str:
+    """The reference string the verifier pool passes to its workers: the name alone without options, else the
+    spec as canonical JSON (which rewards.load_reward_fn turns back into the verifier)."""
+    return spec.kind if not spec.options else json.dumps(spec.as_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def is_spec_ref(ref: str) -> bool:
+    return ref in FACTORIES or ref.startswith("{")
+
+
+def spec_from_ref(ref: str) -> VerifierSpec:
+    return parse_spec(json.loads(ref) if ref.startswith("{") else ref)
+
+
+def factory(kind: str) -> Callable[..., RewardFn]:
+    module, _, name = FACTORIES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_verifier(spec: VerifierSpec | str | Mapping[str, Any], *, field: str = "verifier") -> RewardFn:
+    """The RewardFn of a spec; its options are checked against the factory's keyword-only parameters."""
+    if not isinstance(spec, VerifierSpec):
+        spec = parse_spec(spec, field=field)
+    make, options = factory(spec.kind), dict(spec.options)
+    allowed = [p.name for p in inspect.signature(make).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"{field}: {spec.kind} has no option {', '.join(map(repr, unknown))}; its options: "
+                         f"{', '.join(allowed) or 'none'}")
+    try:
+        return make(**options)
+    except TypeError as error:  # a required option missing
+        raise ValueError(f"{field}: {spec.kind}: {error}") from None
+
+
+def to_verdict(value: object) -> Verdict:
+    """A reward function's return value as a Verdict; a value of the wrong kind is an error verdict."""
+    if isinstance(value, Verdict):
+        if _finite(value.reward) and isinstance(value.passed, bool) and isinstance(value.reason, str):
+            return value
+    elif isinstance(value, bool):
+        return Verdict(reward=float(value), passed=value, reason="ok" if value else "wrong")
+    elif _finite(value):  # numpy scalars included
+        return Verdict(reward=float(value), passed=value > 0, reason="ok" if value > 0 else "wrong")
+    return Verdict(reward=0.0, passed=False,
+                   reason=f"error: reward function returned {value!r} ({type(value).__name__}); "
+                          "return a finite float, a bool or a Verdict(reward: float, passed: bool, reason: str)")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ---- combinators ------------------------------------------------------------------------------------------
+
+def sum_verifier(*, parts: Sequence[Mapping[str, Any]]) -> RewardFn:
+    """A weighted sum of verifiers: reward = sum of weight * part reward; passed when every part passed; the
+    Verdict keeps each part's reward by name (`name`, else its kind) for the metrics."""
+    if not parts:
+        raise ValueError("sum: `parts` is empty; give a list of {kind: NAME, weight: W, ...}")
+    built = []
+    for index, part in enumerate(parts):
+        options = dict(part)
+        weight, name = float(options.pop("weight", 1.0)), options.pop("name", options.get("kind"))
+        built.append((str(name), weight, build_verifier(options, field=f"sum.parts[{index}]")))
+    names = [name for name, _, _ in built]
+    if len(set(names)) < len(names):
+        raise ValueError(f"sum: parts {names} repeat a name; give repeated kinds a `name` each")
+
+    def score(completion: str, ground_truth: str, prompt: Prompt) -> Verdict:
+        verdicts = [(name, weight, to_verdict(fn(completion, ground_truth, prompt))) for name, weight, fn in built]
+        failed = next((v.reason for _, _, v in verdicts if not v.passed), None)
+        return Verdict(reward=sum(w * v.reward for _, w, v in verdicts), passed=failed is None,
+                       reason=failed or "ok", parts=tuple((name, v.reward) for name, _, v in verdicts))
+    return score
+
+
+def route_verifier(*, route: Mapping[str, Any]) -> RewardFn:
+    """Each row to the verifier of its data_source. A data_source no route claims is refused at start-up
+    (check_routes); a call that meets one anyway scores 0 with reason no_route."""
+    if not route:
+        raise ValueError("route: empty; map each data_source to a verifier, e.g. {gsm8k: math, ifeval: ifeval}")
+    by_source = {source: build_verifier(spec, field=f"route.{source}") for source, spec in route.items()}
+
+    def score(completion: str, ground_truth: str, prompt: Prompt) -> Any:
+        fn = by_source.get(prompt.data_source)
+        if fn is None:
+            return Verdict(reward=0.0, passed=False, reason=f"no_route: {prompt.data_source}")
+        return fn(completion, ground_truth, prompt)
+    return score
+
+
+def check_routes(spec: VerifierSpec, data_sources: Sequence[str], *, field: str = "verifier") -> None:
+    """Before any work: every data_source of a task's rows has a route (a spec that routes none passes)."""
+    if spec.kind != "route":
+        return
+    routes = dict(spec.options)["route"]
+    missing = sorted(set(data_sources) - set(routes))
+    if missing:
+        raise ValueError(f"{field}: rows with data_source {', '.join(map(repr, missing))} have no route; add them "
+                         f"to route (routed now: {', '.join(sorted(routes))}; the registered verifiers: "
+                         f"{', '.join(sorted(FACTORIES))})")
