@@ -294,7 +294,7 @@ async def run_kind(kind: str, config: RunConfig, data: Data, warm_dir: Path) -> 
     shape = EngineShape(longest_rendered(episodes, data.train), config.rollout.max_new_tokens, version=0,
                         seed=config.seed)
     engine = build_engine(config, policy, shape)
-    scheduler = build_run_scheduler(config, data.train, kind=kind)
+    scheduler = build_run_scheduler(config, data, kind=kind)
     pool = build_verifier_pool(config)
     pool.score_sync("", data.train[0])  # the worker's start-up (imports) is not the scheduler's cost
     backend = build_local_backend(config, engine, trainer, pool, policy.tokenizer)

@@ -8,16 +8,29 @@ This module is configuration only: builders elsewhere turn it into flat argument
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from flashreinforce.verifiers.registry import parse_spec
+
 RECIPES_DIR = Path(__file__).parent / "recipes"
 SINGLE_ROLLOUT_LOSSES = frozenset({"flashreinforce", "reinforce++"})
 """Losses whose baseline is not a per-prompt group, so group_size=1 is meaningful."""
 DEFAULT_RECIPE = "arithmetic"
+RESERVED_TASK_NAMES = frozenset({"all", "total", "mean", "worst"})
+"""Words the per-task metrics and summaries use beside task names."""
+
+
+def checked_verifier(value: str | dict[str, Any]) -> str | dict[str, Any]:
+    """A verifier spec with a registered kind and plain options (a "file.py:fn" or "module:fn" reference to a
+    user function is checked when the verifier pool loads it)."""
+    if not (isinstance(value, str) and ":" in value):
+        parse_spec(value, field="verifier")
+    return value
 
 
 class _Section(BaseModel):
@@ -451,8 +464,15 @@ class EvalConfig(_Section):
 
 
 class VerifierConfig(_Section):
-    reward_fn: str = "math"
-    """math: the built-in answer checker; or a user function "path/file.py:fn" / "package.module:fn"."""
+    reward_fn: str | dict[str, Any] = "math"
+    """How responses are scored: a registered verifier by name (math, choice, exact, regex, format, code,
+    ifeval, ...), or {kind: NAME, options...}, a route by data_source, a weighted sum (docs/verifiers.md); or a
+    user function "path/file.py:fn" / "package.module:fn"."""
+
+    @field_validator("reward_fn")
+    @classmethod
+    def _known_verifier(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        return checked_verifier(value)
     timeout_s: float = Field(5.0, gt=0)
     """Wall-clock limit per verifier call; a call over it scores 0 with reason "timeout"."""
     min_workers: int = Field(1, ge=0)
@@ -515,6 +535,43 @@ class LogConfig(_Section):
     """Show the live progress bar."""
 
 
+class TaskSamplingConfig(_Section):
+    max_new_tokens: int | None = Field(None, ge=1)
+    """This task's response budget (None: rollout.max_new_tokens)."""
+    temperature: float | None = Field(None, gt=0)
+    """This task's sampling temperature (None: rollout.temperature). For now it must equal rollout.temperature:
+    the trainer recomputes every row's log-probs at that one temperature."""
+    top_p: float | None = Field(None, gt=0, le=1)
+    """This task's nucleus sampling (None: rollout.top_p)."""
+    top_k: int | None = Field(None, ge=0)
+    """This task's top-k (None: rollout.top_k)."""
+
+
+TASK_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
+
+
+class TaskConfig(_Section):
+    weight: float = Field(1.0, gt=0)
+    """Share of the training prompts: a task of weight 3 beside one of weight 1 gives 3 of every 4 prompts."""
+    data: DataConfig
+    """The task's prompts, as the run's `data` section says them (kind, files, generator settings)."""
+    env: EnvConfig = EnvConfig()
+    """How an episode of this task runs: single-turn (kind math) or an environment, as the run's `env`."""
+    verifier: str | dict[str, Any] = "math"
+    """How its responses are scored: a registered verifier by name, {kind: NAME, options...}, a route by
+    data_source ({route: {gsm8k: math, ifeval: ifeval}}), a weighted sum, or a user function "file.py:fn"
+    (docs/verifiers.md). Ignored with env.reward=env."""
+
+    @field_validator("verifier")
+    @classmethod
+    def _known_verifier(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        return checked_verifier(value)
+    rollout: TaskSamplingConfig = TaskSamplingConfig()
+    """This task's sampling overrides (max_new_tokens, temperature, top_p, top_k)."""
+    modality: str = "text"
+    """The modality of its prompts (per-modality metrics; MISC's bands)."""
+
+
 class RunConfig(_Section):
     name: str = "run"
     """Recipe name; the default run directory is runs/<name>-<timestamp>."""
@@ -536,17 +593,62 @@ class RunConfig(_Section):
     verifier: VerifierConfig = VerifierConfig()
     backend: BackendConfig = BackendConfig()
     log: LogConfig = LogConfig()
+    tasks: dict[str, TaskConfig] | None = None
+    """A mixture of tasks trained in one run (docs/tasks.md): name -> {weight, data, env, verifier, rollout,
+    modality}. Training prompts interleave by weight, each scored by its own verifier, with metrics and held-out
+    scores per task. None: one task, from the run's data, env and verifier sections."""
+
+    @model_validator(mode="after")
+    def _tasks_alone(self) -> RunConfig:
+        if self.tasks is None:
+            return self
+        if not self.tasks:
+            raise ValueError("tasks: empty; give at least one task, or leave tasks out for a one-task run")
+        for name in self.tasks:
+            if not re.match(TASK_NAME, name) or name in RESERVED_TASK_NAMES:
+                raise ValueError(f"tasks.{name}: a task name is a letter, then letters, digits, _ or - (it names "
+                                 f"metrics task/<name>/...), and not one of {sorted(RESERVED_TASK_NAMES)}")
+        for name, task in self.tasks.items():
+            if task.rollout.temperature not in (None, self.rollout.temperature):
+                raise ValueError(f"tasks.{name}.rollout.temperature={task.rollout.temperature} differs from "
+                                 f"rollout.temperature={self.rollout.temperature}: the trainer recomputes every row's "
+                                 "log-probs at one temperature, so a task cannot sample at another yet; set it to "
+                                 "rollout.temperature or leave it out")
+        shadowed = sorted({"data", "env"} & self.model_fields_set)
+        if shadowed:
+            raise ValueError(f"tasks: and the run's {' and '.join(shadowed)} section both given; with tasks, each "
+                             f"task has its own (tasks.<name>.{shadowed[0]}): move it into the tasks")
+        return self
+
+    def task_list(self) -> list[tuple[str, TaskConfig]]:
+        """The run's tasks in order; without `tasks`, the one task of the data, env and verifier sections, named
+        "" (its prompts keep their ids and it reports no task/ metrics)."""
+        if self.tasks is not None:
+            return list(self.tasks.items())
+        return [("", TaskConfig(data=self.data, env=self.env, verifier=self.verifier.reward_fn))]
+
+    def for_task(self, name: str) -> RunConfig:
+        """The run's config as one task sees it: its data, env and verifier in the run's sections, its sampling
+        overrides applied to rollout (the builders of the one-task run take it as it is)."""
+        task = dict(self.task_list())[name]
+        overrides = {k: v for k, v in task.rollout.model_dump().items() if v is not None}
+        return self.model_copy(update={
+            "data": task.data, "env": task.env, "tasks": None,
+            "verifier": self.verifier.model_copy(update={"reward_fn": task.verifier}),
+            "rollout": self.rollout.model_copy(update=overrides)})
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        if self.model.path is None and self.data.kind in ("files", "reasoning_gym", "gsm8k"):
-            raise ValueError(f"model.path is required with data.kind={self.data.kind} (the built-in tiny model only "
-                             "knows the built-in tasks' tokenizers), e.g. model.path=smollm2-135m-instruct after "
-                             "`flashreinforce models get smollm2-135m-instruct`")
-        task_env = {"tool_multiply": "python_tool", "text_game": "text_game"}.get(self.data.kind)
-        if task_env is not None and self.env.kind != task_env:
-            raise ValueError(f"data.kind={self.data.kind} is an agent task: set env.kind={task_env} (it is "
-                             f"{self.env.kind!r})")
+        for name, task in self.task_list():
+            where = f"tasks.{name}." if name else ""
+            if self.model.path is None and task.data.kind in ("files", "reasoning_gym", "gsm8k"):
+                raise ValueError(f"model.path is required with {where}data.kind={task.data.kind} (the built-in tiny "
+                                 "model only knows the built-in tasks' tokenizers), e.g. model.path=smollm2-135m-instruct "
+                                 "after `flashreinforce models get smollm2-135m-instruct`")
+            task_env = {"tool_multiply": "python_tool", "text_game": "text_game"}.get(task.data.kind)
+            if task_env is not None and task.env.kind != task_env:
+                raise ValueError(f"{where}data.kind={task.data.kind} is an agent task: set {where}env.kind={task_env} "
+                                 f"(it is {task.env.kind!r})")
         # With one rollout per prompt a group baseline makes every advantage exactly zero: refuse it loudly.
         if self.algo.loss not in SINGLE_ROLLOUT_LOSSES and self.scheduler.group_size == 1:
             raise ValueError(f"algo.loss={self.algo.loss} compares rollouts of the same prompt: set "

@@ -47,6 +47,8 @@ class Prompt:
     """Tag that selects per-modality trust-region bands (MISC)."""
     difficulty: float | None = None
     """Optional known difficulty (e.g. digit count); benchmarks use it to measure scheduler bias."""
+    task: str = ""
+    """The task of a mixture run it belongs to (its id then starts with "<task>/"); "" in a one-task run."""
 
 
 class RolloutKey(NamedTuple):

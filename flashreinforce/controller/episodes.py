@@ -16,7 +16,7 @@ run is a function of its seed; otherwise each result resubmits its episode the m
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -49,9 +49,17 @@ class EpisodeSettings:
 
 
 @dataclass(frozen=True)
-class _Env:
-    pool: EnvPool
-    renderer: TurnRenderer
+class TaskRoute:
+    """How the episodes of one task run: single-turn (no renderer) or with its environment, and their budgets."""
+
+    renderer: TurnRenderer | None = None
+    """Multi-turn: renders the task's observations; None: single-turn (no environment)."""
+    max_turns: int = 1
+    reward: RewardSource = "verifier"
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.renderer is not None
 
 
 def last_turn(generation: Generation) -> tuple[int, ...]:
@@ -64,9 +72,18 @@ class EpisodeBackend:
     """The Backend protocol at episode granularity (start/finished/pause/resume/abort), delegating the rest."""
 
     def __init__(self, inner: Backend, episodes: TextEpisodes, *, pool: EnvPool | None = None,
-                 renderer: TurnRenderer | None = None, settings: EpisodeSettings = EpisodeSettings()) -> None:
+                 renderer: TurnRenderer | None = None, settings: EpisodeSettings = EpisodeSettings(),
+                 tasks: Mapping[str, TaskRoute] | None = None) -> None:
+        """One task: `pool` and `renderer` (multi-turn) or neither, with settings' turns and reward. A mixture:
+        `tasks` routes each prompt by its task (the pool holds every multi-turn task's environment)."""
         self.inner, self.episodes, self.settings = inner, episodes, settings
-        self.env = _Env(pool, renderer or TurnRenderer(episodes.tokenizer)) if pool is not None else None
+        self.pool = pool
+        if tasks is None:
+            tasks = {"": TaskRoute(renderer or TurnRenderer(episodes.tokenizer) if pool is not None else None,
+                                   settings.max_turns, settings.reward)}
+        if pool is None and any(route.multi_turn for route in tasks.values()):
+            raise ValueError("a multi-turn task needs the environment pool")
+        self.tasks = dict(tasks)
         self._prompts: dict[str, Prompt] = {}
         self._params: dict[str, SamplingParams] = {}
         self._states: dict[str, EpisodeState] = {}
@@ -113,10 +130,14 @@ class EpisodeBackend:
 
     def stats(self) -> dict[str, float]:
         metrics = self.inner.stats()
-        if self.env is not None:
-            metrics.update({f"env/{k}": v for k, v in self.env.pool.stats().items()})
+        if self.pool is not None:
+            metrics.update({f"env/{k}": v for k, v in self.pool.stats().items()})
             metrics.update({f"episode/{k}": float(v) for k, v in self.counts.items()})
         return metrics
+
+    def route(self, rid: str) -> TaskRoute:
+        """The route of a started episode's task."""
+        return self.tasks[self._prompts[rid].task]
 
     async def close(self) -> None:
         for task in self._stepping.values():
@@ -130,9 +151,12 @@ class EpisodeBackend:
         """Begin an episode, or continue `prefix` (a partial of it, from a pause, an abort or a checkpoint)."""
         self._prompts[request_id], self._params[request_id] = prompt, params
         self._wake.set()  # a finished() waiting with nothing in the engine must see the new work
+        if prompt.task not in self.tasks:
+            raise KeyError(f"prompt {prompt.id} is of task {prompt.task!r}, which this backend does not run "
+                           f"(its tasks: {sorted(self.tasks)})")
         if prefix is not None:
             self._continue(prefix)
-        elif self.env is None:
+        elif not self.tasks[prompt.task].multi_turn:
             self.inner.submit(request_id, self._single_turn_ids(prompt, tuple(hint_ids)), params)
         else:
             seed = params.seed if params.seed is not None else 0
@@ -149,10 +173,10 @@ class EpisodeBackend:
         return self._rendered[key]
 
     async def _reset(self, rid: str, prompt: Prompt, seed: int, hint_ids: tuple[int, ...]) -> Generation | EnvOutcome:
-        outcome = await self.env.pool.reset(rid, prompt, seed)
+        outcome = await self.pool.reset(rid, prompt, seed)
         if outcome.failure is not None:
             return outcome
-        ids, conversation = self.env.renderer.first_prompt(prompt, outcome.value)
+        ids, conversation = self.tasks[prompt.task].renderer.first_prompt(prompt, outcome.value)
         self._states[rid] = EpisodeState(seed=seed, conversation=conversation)
         return Generation(request_id=rid, prompt_ids=(*ids, *hint_ids), token_ids=(), behavior_logprobs=(),
                           policy_versions=(), loss_mask=(), finish_reason="abort", params=self._params[rid],
@@ -193,7 +217,7 @@ class EpisodeBackend:
 
     def _step(self, rid: str, row: Generation, action: str) -> None:
         self._turns[rid] = row
-        self._run_env(rid, self.env.pool.step(rid, action))
+        self._run_env(rid, self.pool.step(rid, action))
 
     def _take_step(self, rid: str) -> None:
         """An environment call of `rid` returned: continue the episode, or end it."""
@@ -217,8 +241,8 @@ class EpisodeBackend:
         self._wake.set()
 
     def _observe(self, rid: str, row: Generation, step: StepResult) -> None:
-        state = row.episode
-        state = replace(state, actions=(*state.actions, self.env.renderer.action_text(last_turn(row))),
+        route, state = self.route(rid), row.episode
+        state = replace(state, actions=(*state.actions, route.renderer.action_text(last_turn(row))),
                         rewards=(*state.rewards, float(step.reward)),
                         tool_calls=state.tool_calls + bool(step.info.get("tool_call")),
                         success=step.info.get("success", state.success))
@@ -226,9 +250,9 @@ class EpisodeBackend:
         self._states[rid] = state
         if step.done:
             return self._end(row, "done", "stop")
-        if len(state.actions) >= self.settings.max_turns:
+        if len(state.actions) >= route.max_turns:
             return self._end(row, "turns", "turns")
-        forced, conversation = self.env.renderer.observation_ids(state.conversation, last_turn(row), step.observation)
+        forced, conversation = route.renderer.observation_ids(state.conversation, last_turn(row), step.observation)
         length = len(row.prompt_ids) + len(row.token_ids) + len(forced)
         if (len(row.token_ids) + len(forced) >= row.params.max_new_tokens
                 or (self.settings.max_context is not None and length >= self.settings.max_context)):
@@ -248,8 +272,8 @@ class EpisodeBackend:
 
     def _end(self, row: Generation, end: str, finish: FinishReason, detail: str | None = None) -> None:
         self.counts[f"end/{end}"] = self.counts.get(f"end/{end}", 0) + 1
-        if self.env is not None:
-            self.env.pool.close(row.request_id)
+        if self.pool is not None:
+            self.pool.close(row.request_id)
         state = replace(row.episode, end=detail or end) if row.episode is not None else None
         self._states.pop(row.request_id, None)
         self._completed.append(replace(row, finish_reason=finish, episode=state))
@@ -258,7 +282,7 @@ class EpisodeBackend:
         """Turns the engine finished: single-turn rows are done; an episode's turn goes to its environment."""
         for generation in generations:
             rid = generation.request_id
-            if self.env is None:
+            if rid not in self._prompts or not self.route(rid).multi_turn:  # single-turn, or aborted and forgotten
                 self._completed.append(generation)
                 continue
             if rid not in self._states:  # aborted after the engine finished this turn: it comes back as ended
@@ -270,7 +294,7 @@ class EpisodeBackend:
             if generation.finish_reason == "length":  # the budget ran out inside the turn
                 self._end(row, "length", "length")
             else:
-                self._step(rid, row, self.env.renderer.action_text(last_turn(row)))
+                self._step(rid, row, self.route(rid).renderer.action_text(last_turn(row)))
 
     # ---- the loop's view -------------------------------------------------------------------------------
 
@@ -364,7 +388,7 @@ class EpisodeBackend:
         for rid in [r for r in self._stepping if r not in self._held]:
             self._held.add(rid)
             row = self._turns[rid]
-            action = self.env.renderer.action_text(last_turn(row))
+            action = self.route(rid).renderer.action_text(last_turn(row))
             partials.append(replace(row, finish_reason="abort", episode=replace(self._states[rid], pending=action)))
         done, self._completed = self._completed, []
         return partials, done
@@ -394,8 +418,8 @@ class EpisodeBackend:
     def _reopen(self, partial: Generation) -> None:
         """An episode whose environment this pool no longer holds (restored, or aborted earlier) replays it."""
         rid = partial.request_id
-        if rid not in self._stepping and not self.env.pool.has(rid):
-            self.env.pool.attach(rid, self._prompts[rid], partial.episode.seed, partial.episode.actions)
+        if rid not in self._stepping and not self.pool.has(rid):
+            self.pool.attach(rid, self._prompts[rid], partial.episode.seed, partial.episode.actions)
 
     async def abort(self, request_ids: Sequence[str]) -> list[Generation]:
         """Cancel episodes; their partials come back, their environments are closed (a later start replays)."""
@@ -412,7 +436,7 @@ class EpisodeBackend:
             if row is not None:
                 task.cancel()
             if row is not None:
-                action = self.env.renderer.action_text(last_turn(row))
+                action = self.route(rid).renderer.action_text(last_turn(row))
                 partials[rid] = replace(row, finish_reason="abort", episode=replace(self._states[rid], pending=action))
             elif not task.cancelled() and isinstance(task.result(), Generation):
                 partials[rid] = task.result()
@@ -422,8 +446,8 @@ class EpisodeBackend:
             if rid not in partials and rid in self._first_prompts:  # paused after its reset, never in the engine
                 partials[rid] = self._first_prompts[rid]
             self._first_prompts.pop(rid, None)
-            if self.env is not None:
-                self.env.pool.close(rid)
+            if self.pool is not None:
+                self.pool.close(rid)
             self._states.pop(rid, None)
         return [partials[rid] for rid in request_ids if rid in partials]
 
@@ -431,22 +455,24 @@ class EpisodeBackend:
 
     def answer_text(self, generation: Generation) -> str:
         """The text a verifier scores: the completion, or an episode's final turn."""
-        if self.env is None:
+        route = self.route(generation.request_id)
+        if not route.multi_turn:
             return self.episodes.completion_text(generation)
-        return self.env.renderer.action_text(last_turn(generation))
+        return route.renderer.action_text(last_turn(generation))
 
     async def judge(self, generations: Sequence[Generation]) -> list[Verdict]:
-        """Each ended episode's verdict: the verifier on its final turn, the environment's reward, or both."""
+        """Each ended episode's verdict: the verifier on its final turn, the environment's reward, or both (per
+        its task); the verifier pool scores each row with its task's verifier."""
+        routes = [self.route(g.request_id) for g in generations]
+        texts = [self.answer_text(g) for g in generations]
         prompts = [self._prompts.pop(g.request_id) for g in generations]
         for g in generations:
             self._params.pop(g.request_id, None)
-        if self.env is None:
-            return await self.inner.score([(self.answer_text(g), p) for g, p in zip(generations, prompts)])
-        asks = [i for i, g in enumerate(generations)
-                if self.settings.reward != "env" and g.finish_reason != "env_error"]
-        scored = await self.inner.score([(self.answer_text(generations[i]), prompts[i]) for i in asks])
-        by_index = dict(zip(asks, scored))
-        return [episode_verdict(g.episode, by_index.get(i), self.settings.reward) for i, g in enumerate(generations)]
+        asks = [i for i, (g, route) in enumerate(zip(generations, routes))
+                if not route.multi_turn or (route.reward != "env" and g.finish_reason != "env_error")]
+        scored = dict(zip(asks, await self.inner.score([(texts[i], prompts[i]) for i in asks])))
+        return [episode_verdict(g.episode, scored.get(i), route.reward) if route.multi_turn else scored[i]
+                for i, (g, route) in enumerate(zip(generations, routes))]
 
 
 def episode_verdict(state: EpisodeState, verifier: Verdict | None, source: RewardSource) -> Verdict:

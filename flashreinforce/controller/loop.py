@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flashreinforce.buffer import RolloutTask, Scheduler
@@ -42,6 +42,8 @@ class LoopSettings:
     in_flight_updates: bool = False
     """Push weights without pausing: running requests keep their KV cache and continue (see
     RolloutConfig.in_flight_updates). False pauses and re-reads every prefix at each push."""
+    task_sampling: Mapping[str, SamplingParams] = field(default_factory=dict)
+    """A mixture's sampling parameters per task (its budget and truncation); `sampling` for a task not named."""
 
 
 def request_seed(seed: int, key: RolloutKey) -> int:
@@ -145,7 +147,8 @@ class RLLoop:
             if task.partial is not None:
                 self.backend.start(rid, task.prompt, task.partial.params, prefix=task.partial)
             else:
-                params = replace(self.settings.sampling, seed=request_seed(self.settings.seed, task.key))
+                base = self.settings.task_sampling.get(task.prompt.task, self.settings.sampling)
+                params = replace(base, seed=request_seed(self.settings.seed, task.key))
                 self.backend.start(rid, task.prompt, params, self._hint_ids(task))
 
     def _hint_ids(self, task: RolloutTask) -> list[int]:

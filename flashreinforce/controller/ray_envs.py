@@ -22,8 +22,7 @@ from ray.exceptions import RayActorError
 
 from flashreinforce.controller.ray_cluster import brief
 from flashreinforce.envs.pool import WorkerLost
-from flashreinforce.envs.protocol import EnvSpec
-from flashreinforce.envs.worker import EnvSessions, check_env
+from flashreinforce.envs.worker import EnvSessions, EnvSpecs, check_env
 
 
 class EnvWorkerActor:
@@ -32,12 +31,12 @@ class EnvWorkerActor:
     def __init__(self) -> None:
         self.sessions: EnvSessions | None = None
 
-    def start(self, sys_path: list[str], spec: EnvSpec) -> tuple[str, str | None]:
+    def start(self, sys_path: list[str], specs: EnvSpecs) -> tuple[str, str | None]:
         # The driver's import paths this process lacks: a user's environment module next to their recipe.
         sys.path.extend(path for path in sys_path if path not in sys.path)
-        verdict = check_env(spec)
+        verdict = check_env(specs)
         if verdict[0] == "ready":
-            self.sessions = EnvSessions(spec)
+            self.sessions = EnvSessions(specs)
         return verdict
 
     def handle(self, message: tuple) -> tuple[str, object] | None:
@@ -64,8 +63,8 @@ class RayEnvWorker:
     def __init__(self, name: str, actor: Any) -> None:
         self.name, self.actor = name, actor
 
-    async def start(self, spec: EnvSpec, timeout: float) -> tuple[str, Any]:
-        return await self._answer(self.actor.start.remote(list(sys.path), spec), timeout)
+    async def start(self, specs: EnvSpecs, timeout: float) -> tuple[str, Any]:
+        return await self._answer(self.actor.start.remote(list(sys.path), specs), timeout)
 
     async def call(self, message: tuple, timeout: float) -> tuple[str, Any]:
         return await self._answer(self.actor.handle.remote(message), timeout)

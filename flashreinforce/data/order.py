@@ -7,10 +7,12 @@ constraint) and a scheduler checkpoints only an integer cursor: nothing else is 
 
 from __future__ import annotations
 
+import math
 import numbers
 import random
 from collections import Counter
 from collections.abc import Sequence
+from fractions import Fraction
 
 from flashreinforce.types import Prompt
 
@@ -74,3 +76,68 @@ def _shuffled(n: int, seed: str) -> list[int]:
         j = int(rng.random() * (i + 1))
         order[i], order[j] = order[j], order[i]
     return order
+
+
+class MixedOrder:
+    """order[i] -> Prompt of a weighted mixture of tasks, a pure function of (seed, i), as PromptOrder is.
+
+    Positions come in cycles of W = the sum of the weights made whole numbers (3:1:1 -> 5): cycle c holds
+    task t exactly w_t times, in an order shuffled from (seed, c), and task t's k-th position takes its own
+    PromptOrder's prompt k. So every W positions follow the weights exactly, any window of them approximately,
+    and a resumed run (which keeps only a cursor) sees the same prompt at every position.
+
+    >>> order = MixedOrder({"math": PromptOrder(a, seed=0), "tool": PromptOrder(b, seed=0)}, {"math": 3, "tool": 1},
+    ...                    seed=0)
+    >>> order.task_at(7), order[7]
+    """
+
+    def __init__(self, orders: dict[str, PromptOrder], weights: dict[str, float], *, seed: int) -> None:
+        if set(orders) != set(weights) or not orders:
+            raise ValueError(f"MixedOrder: tasks {sorted(orders)} and weights {sorted(weights)} must name the same tasks")
+        self.orders, self.seed = orders, seed
+        self.counts = whole_weights(weights)
+        self._base = [name for name in orders for _ in range(self.counts[name])]
+        self._cache: tuple[int, list[str]] = (-1, [])
+
+    @property
+    def period(self) -> int:
+        return len(self._base)
+
+    def cycle(self, c: int) -> list[str]:
+        """The tasks of positions [c*W, (c+1)*W), in order."""
+        cached, tasks = self._cache
+        if cached != c:
+            tasks = [self._base[j] for j in _shuffled(len(self._base), f"{self.seed}/mix/{c}")]
+            self._cache = (c, tasks)
+        return tasks
+
+    def locate(self, i: int) -> tuple[str, int]:
+        """(task, position in the task's own order) of global position i."""
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
+            raise ValueError(f"MixedOrder position must be an int >= 0, got {i!r}")
+        c, offset = divmod(int(i), self.period)
+        tasks = self.cycle(c)
+        task = tasks[offset]
+        return task, c * self.counts[task] + tasks[:offset].count(task)
+
+    def task_at(self, i: int) -> str:
+        return self.locate(i)[0]
+
+    def __getitem__(self, i: int) -> Prompt:
+        task, k = self.locate(i)
+        return self.orders[task][k]
+
+
+def whole_weights(weights: dict[str, float], max_period: int = 1000) -> dict[str, int]:
+    """Weights as the smallest whole numbers in the same ratio (3, 1, 1 -> 3, 1, 1; 0.7, 0.3 -> 7, 3), each
+    share rounded to a denominator of at most max_period; a share below 1/max_period counts as that, so every
+    task keeps at least one position a cycle."""
+    if any(not w > 0 for w in weights.values()):
+        raise ValueError(f"task weights must be > 0, got {weights}")
+    total = sum(weights.values())
+    fractions = {name: Fraction(w / total).limit_denominator(max_period) or Fraction(1, max_period)
+                 for name, w in weights.items()}
+    scale = math.lcm(*(f.denominator for f in fractions.values()))
+    whole = {name: int(f * scale) for name, f in fractions.items()}
+    divisor = math.gcd(*whole.values())
+    return {name: n // divisor for name, n in whole.items()}

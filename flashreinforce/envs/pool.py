@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from flashreinforce.envs.protocol import EnvSpec, Observation, StepResult
+from flashreinforce.envs.worker import EnvSpecs, as_specs
 from flashreinforce.lifetime import describe_exit, start_child
 from flashreinforce.types import Prompt
 
@@ -60,7 +61,7 @@ class WorkerLink(Protocol):
     """One worker serving envs/worker.py's protocol. Answers are (kind, value) tuples; a call that overruns
     `timeout` or finds the worker dead stops it and raises WorkerLost."""
 
-    async def start(self, spec: EnvSpec, timeout: float) -> tuple[str, Any]: ...
+    async def start(self, specs: EnvSpecs, timeout: float) -> tuple[str, Any]: ...
 
     async def call(self, message: tuple, timeout: float) -> tuple[str, Any]: ...
 
@@ -80,8 +81,8 @@ class ProcessWorker:
                                            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                                                 "OPENBLAS_NUM_THREADS": "1"})
 
-    async def start(self, spec: EnvSpec, timeout: float) -> tuple[str, Any]:
-        return await self.call((list(sys.path), spec), timeout)
+    async def start(self, specs: EnvSpecs, timeout: float) -> tuple[str, Any]:
+        return await self.call((list(sys.path), specs), timeout)
 
     async def call(self, message: tuple, timeout: float) -> tuple[str, Any]:
         # Waits on the socket with add_reader: nothing blocks the event loop.
@@ -133,12 +134,14 @@ class _Session:
 
 
 class EnvPool:
-    def __init__(self, spec: EnvSpec, *, step_timeout_s: float = 30.0, min_workers: int = 1, max_workers: int = 4,
-                 idle_timeout_s: float = 30.0, start_worker: Callable[[], WorkerLink] = ProcessWorker) -> None:
-        """start_worker: a new worker's link (ProcessWorker: a process of this machine)."""
+    def __init__(self, spec: EnvSpec | EnvSpecs, *, step_timeout_s: float = 30.0, min_workers: int = 1,
+                 max_workers: int = 4, idle_timeout_s: float = 30.0,
+                 start_worker: Callable[[], WorkerLink] = ProcessWorker) -> None:
+        """spec: the environment, or each task's ({task: spec}; every worker holds all of them).
+        start_worker: a new worker's link (ProcessWorker: a process of this machine)."""
         if not 1 <= min_workers <= max_workers:
             raise ValueError(f"env workers: need 1 <= min_workers ({min_workers}) <= max_workers ({max_workers})")
-        self.spec, self.step_timeout_s, self.start_worker = spec, step_timeout_s, start_worker
+        self.specs, self.step_timeout_s, self.start_worker = as_specs(spec), step_timeout_s, start_worker
         self.min_workers, self.max_workers, self.idle_timeout_s = min_workers, max_workers, idle_timeout_s
         self._workers: list[_Worker] = []
         self._sessions: dict[str, _Session] = {}
@@ -278,7 +281,7 @@ class EnvPool:
     async def _spawn(self, busy: bool = False) -> _Worker:
         worker = _Worker(self.start_worker(), busy=busy)
         try:
-            kind, reason = await worker.link.start(self.spec, _STARTUP_TIMEOUT_S)
+            kind, reason = await worker.link.start(self.specs, _STARTUP_TIMEOUT_S)
         except WorkerLost as lost:
             kind, reason = "lost", f"{lost.failure} during its start (allowed {_STARTUP_TIMEOUT_S:.0f} s)"
         except BaseException:
@@ -286,7 +289,8 @@ class EnvPool:
             raise
         if kind != "ready":
             worker.link.stop()
-            raise RuntimeError(f"env.kind={self.spec.kind!r}: the environment worker could not start: {reason}")
+            kinds = " ".join(f"{f'tasks.{t}.' if t else ''}env.kind={spec.kind!r}" for t, spec in self.specs.items())
+            raise RuntimeError(f"{kinds}: the environment worker could not start: {reason}")
         self._workers.append(worker)
         self.counts["workers_started"] += 1
         return worker

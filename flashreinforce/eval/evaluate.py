@@ -12,7 +12,7 @@ checkpoint by `flashreinforce eval`). It never touches the trainer.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from flashreinforce.algorithms.passk import pass_at_k
@@ -47,6 +47,8 @@ class EvalReport:
     by_source: dict[str, SourceScore]
     correct: dict[str, int]
     """Correct samples (of k) per prompt id."""
+    by_task: dict[str, SourceScore] = field(default_factory=dict)
+    """A mixture's scores per task (each task's prompts with its own verifier); {} for one task."""
     mean_turns: float | None = None
     """Multi-turn runs: model turns per episode."""
     mean_tool_calls: float | None = None
@@ -61,12 +63,13 @@ class EvalReport:
             flat[f"{prefix}/tool_calls"] = self.mean_tool_calls
         for kk, value in self.overall.pass_at.items():
             flat[f"{prefix}/pass@{kk}"] = value
-        if len(self.by_source) > 1:
-            for source, score in self.by_source.items():
-                flat[f"{prefix}/{source}/avg@k"] = score.avg_at_k
-                flat[f"{prefix}/{source}/distinct_answers"] = score.distinct_answers
-                if score.greedy_accuracy is not None:
-                    flat[f"{prefix}/{source}/greedy_accuracy"] = score.greedy_accuracy
+        groups = {**({source: score for source, score in self.by_source.items()} if len(self.by_source) > 1 else {}),
+                  **{f"task/{task}": score for task, score in self.by_task.items()}}
+        for name, score in groups.items():
+            flat[f"{prefix}/{name}/avg@k"] = score.avg_at_k
+            flat[f"{prefix}/{name}/distinct_answers"] = score.distinct_answers
+            if score.greedy_accuracy is not None:
+                flat[f"{prefix}/{name}/greedy_accuracy"] = score.greedy_accuracy
         return flat
 
     def describe(self) -> str:
@@ -74,10 +77,11 @@ class EvalReport:
         lines = [f"avg@{self.k} {self.overall.avg_at_k:.1f}% ({ks}){_greedy_text(self.overall)} on "
                  f"{self.overall.num_prompts} prompts, T={self.temperature}, top-p={self.top_p}, max "
                  f"{self.max_new_tokens} new tokens"]
-        if len(self.by_source) > 1:
-            for source, score in sorted(self.by_source.items()):
-                lines.append(f"  {source}: avg@{self.k} {score.avg_at_k:.1f}%{_greedy_text(score)} on "
-                             f"{score.num_prompts} prompts")
+        named = {**({f"task {t}": v for t, v in self.by_task.items()}),
+                 **(dict(sorted(self.by_source.items())) if len(self.by_source) > 1 else {})}
+        for name, score in named.items():
+            lines.append(f"  {name}: avg@{self.k} {score.avg_at_k:.1f}%{_greedy_text(score)} on "
+                         f"{score.num_prompts} prompts")
         return "\n".join(lines)
 
 
@@ -133,20 +137,23 @@ async def evaluate(
     params: SamplingParams,
     seed: int,
     greedy: bool = False,
+    task_params: Mapping[str, SamplingParams] | None = None,
 ) -> EvalReport:
     """Run k episodes per prompt (seeded per sample, so a checkpoint always scores the same), and with `greedy`
-    one more per prompt decoded greedily (top_k=1), all in flight together."""
+    one more per prompt decoded greedily (top_k=1), all in flight together. `task_params`: a mixture's sampling
+    per task (`params` for the others); the report then scores each task too."""
     if not prompts:
         raise ValueError("evaluation needs at least one prompt")
     if not isinstance(backend, EpisodeBackend):
         backend = EpisodeBackend(backend, episodes)
     by_id: dict[str, tuple[Prompt, int]] = {}
-    greedy_params = replace(params, temperature=1.0, top_k=1, top_p=1.0)
+    task_params = task_params or {}
     for prompt in prompts:
+        own = task_params.get(prompt.task, params)
         for sample in [*range(k), *([GREEDY] if greedy else [])]:
             rid = f"eval:{prompt.id}#{'greedy' if sample == GREEDY else sample}"
             by_id[rid] = (prompt, sample)
-            sampling = greedy_params if sample == GREEDY else params
+            sampling = replace(own, temperature=1.0, top_k=1, top_p=1.0) if sample == GREEDY else own
             backend.start(rid, prompt, replace(sampling, seed=request_seed(seed, RolloutKey(prompt.id, sample))))
     outcomes = _Outcomes()
     remaining = len(by_id)
@@ -160,8 +167,10 @@ async def evaluate(
             _record(outcomes, by_id[generation.request_id], generation, final_answer(text), verdict.passed)
         remaining -= len(finished)
     sources: dict[str, list[Prompt]] = defaultdict(list)
+    tasks: dict[str, list[Prompt]] = defaultdict(list)
     for prompt in prompts:
         sources[prompt.data_source].append(prompt)
+        tasks[prompt.task].append(prompt)
     turns, tool_calls = outcomes.turns, outcomes.tool_calls
     return EvalReport(
         k=k,
@@ -171,6 +180,7 @@ async def evaluate(
         overall=_score(prompts, k, outcomes, greedy),
         by_source={source: _score(members, k, outcomes, greedy) for source, members in sources.items()},
         correct={p.id: outcomes.correct[p.id] for p in prompts},
+        by_task={task: _score(members, k, outcomes, greedy) for task, members in tasks.items() if task},
         mean_turns=sum(turns) / len(turns) if turns else None,
         mean_tool_calls=sum(tool_calls) / len(tool_calls) if tool_calls else None,
     )

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashreinforce.config import RunConfig
 from flashreinforce.controller.backend import Backend
-from flashreinforce.controller.episodes import EpisodeBackend, EpisodeSettings
+from flashreinforce.controller.episodes import EpisodeBackend, EpisodeSettings, TaskRoute
 from flashreinforce.controller.local import LocalBackend
 from flashreinforce.envs.pool import EnvPool, ProcessWorker, WorkerLink
 from flashreinforce.envs.protocol import EnvSpec, resolve_env_class
@@ -32,6 +32,7 @@ from flashreinforce.run.tasks import renderer_for
 from flashreinforce.trainer.distributed import RankGroup
 from flashreinforce.trainer.trainer import Trainer
 from flashreinforce.verifiers.pool import VerifierPool
+from flashreinforce.verifiers.registry import parse_spec, spec_ref
 
 if TYPE_CHECKING:
     from flashreinforce.controller.ray_cluster import RaySettings
@@ -92,7 +93,8 @@ def ray_settings(config: RunConfig) -> RaySettings:
                        sharded_trainer=trainer.sharding == "fsdp" and trainer.world_size > 1,
                        rollout_device=config.rollout.device, trainer_device=trainer.device,
                        weight_sync=backend.weight_sync, verifier_workers=(verifier.min_workers, verifier.max_workers),
-                       env_workers=max(config.env.min_workers, config.env.max_workers) if config.env.multi_turn else 0,
+                       env_workers=max((max(t.env.min_workers, t.env.max_workers) for _, t in config.task_list()
+                                        if t.env.multi_turn), default=0),
                        verifier_timeout_s=verifier.timeout_s, health_timeout_s=backend.health_timeout_s,
                        step_timeout_s=backend.step_timeout_s, torch_threads=backend.torch_threads)
 
@@ -121,28 +123,34 @@ def build_episodes(config: RunConfig, tokenizer: Any) -> TextEpisodes:
     return TextEpisodes(tokenizer)
 
 
-def env_spec(config: RunConfig) -> EnvSpec:
-    return EnvSpec(kind=config.env.kind, options=dict(config.env.options))
+def env_specs(config: RunConfig) -> dict[str, EnvSpec]:
+    """Each multi-turn task's environment, by task name ("" for a one-task run's)."""
+    return {name: EnvSpec(kind=task.env.kind, options=dict(task.env.options))
+            for name, task in config.task_list() if task.env.multi_turn}
 
 
 def build_env_pool(config: RunConfig, start_worker: Callable[[], WorkerLink] = ProcessWorker) -> EnvPool | None:
-    """The workers of a multi-turn run's environments (None for single-turn); started by the caller.
-    start_worker: an OpenedBackend's env_workers (processes here, or Ray actors)."""
-    if not config.env.multi_turn:
+    """The workers of a run's environments (None when every task is single-turn); started by the caller. Each
+    worker holds every task's kind; in a mixture the pool takes the largest deadline and worker counts of the
+    tasks' env sections. start_worker: an OpenedBackend's env_workers (processes here, or Ray actors)."""
+    specs = env_specs(config)
+    if not specs:
         return None
-    env = config.env
-    return EnvPool(env_spec(config), step_timeout_s=env.step_timeout_s, min_workers=env.min_workers,
-                   max_workers=max(env.min_workers, env.max_workers), start_worker=start_worker)
+    envs = [task.env for name, task in config.task_list() if name in specs]
+    return EnvPool(specs, step_timeout_s=max(e.step_timeout_s for e in envs),
+                   min_workers=max(e.min_workers for e in envs),
+                   max_workers=max(max(e.min_workers, e.max_workers) for e in envs), start_worker=start_worker)
 
 
 def build_episode_backend(config: RunConfig, backend: Backend, episodes: TextEpisodes, env_pool: EnvPool | None,
                           max_context: int) -> EpisodeBackend:
-    """Episodes over the backend: single-turn, or multi-turn over env_pool with the config's budgets."""
-    env = config.env
-    renderer = renderer_for(config, episodes.tokenizer) if env_pool is not None else None
-    return EpisodeBackend(backend, episodes, pool=env_pool, renderer=renderer,
-                          settings=EpisodeSettings(max_turns=env.max_turns, reward=env.reward,
-                                                   max_context=max_context, lockstep=config.deterministic))
+    """Episodes over the backend, each task's single-turn or over env_pool with its own turn budget, reward and
+    observation rendering."""
+    routes = {name: TaskRoute(renderer_for(config.for_task(name), episodes.tokenizer) if task.env.multi_turn else None,
+                              task.env.max_turns, task.env.reward)
+              for name, task in config.task_list()}
+    return EpisodeBackend(backend, episodes, pool=env_pool, tasks=routes,
+                          settings=EpisodeSettings(max_context=max_context, lockstep=config.deterministic))
 
 
 def build_verifier_pool(config: RunConfig) -> VerifierPool:
@@ -150,11 +158,22 @@ def build_verifier_pool(config: RunConfig) -> VerifierPool:
 
 
 def verifier_options(config: RunConfig, *, workers: int | None = None) -> dict[str, Any]:
-    """VerifierPool's arguments from verifier.*; `workers` fixes its size (a Ray verifier actor's pool)."""
+    """VerifierPool's arguments from verifier.*, with every task's verifier (routed by the prompt's task);
+    `workers` fixes its size (a Ray verifier actor's pool)."""
     verifier = config.verifier
     low, high = (verifier.min_workers, verifier.max_workers) if workers is None else (workers, workers)
-    return {"reward_fns": [verifier.reward_fn], "timeout_s": verifier.timeout_s, "min_workers": low,
-            "max_workers": high, "memory_limit_mb": verifier.memory_limit_mb}
+    task_refs = {name: verifier_reference(task.verifier) for name, task in config.task_list()}
+    return {"reward_fns": list(dict.fromkeys(task_refs.values())), "task_refs": task_refs,
+            "timeout_s": verifier.timeout_s, "min_workers": low, "max_workers": high,
+            "memory_limit_mb": verifier.memory_limit_mb}
+
+
+def verifier_reference(value: str | dict[str, Any]) -> str:
+    """A config's verifier as the pool's reference string: a user function's "file.py:fn" as it is, a
+    registered verifier's spec by name or as JSON (verifiers/registry.py)."""
+    if isinstance(value, str) and ":" in value:
+        return value
+    return spec_ref(parse_spec(value))
 
 
 def check_buildable(config: RunConfig) -> None:
@@ -165,8 +184,8 @@ def check_buildable(config: RunConfig) -> None:
         check_ray(config)
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # before the model loads
         raise ValueError(f"rollout.engine=vllm needs vLLM, which this Python cannot import: {SETUP_HINT}")
-    if config.env.multi_turn:
-        resolve_env_class(env_spec(config))  # an unknown kind, a missing extra or a bad user file fails now
+    for spec in env_specs(config).values():
+        resolve_env_class(spec)  # an unknown kind, a missing extra or a bad user file fails now
     if config.trainer.lora is not None:
         from flashreinforce.trainer.lora import require_peft
 

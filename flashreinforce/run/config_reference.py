@@ -32,18 +32,23 @@ def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> Iterator
     heading for its fields; an optional one (algo.hints, trainer.lora...) is also a field, off by default."""
     for name, info in model.model_fields.items():
         dotted = f"{prefix}{name}"
-        section = _section_of(info.annotation)
+        section, keyed = _section_of(info.annotation)
         if section is None or info.default is None:
             yield FieldDoc(dotted, describe_type(info), _default_text(info), " ".join((info.description or "").split()))
         if section is not None:
-            yield from field_docs(section, f"{dotted}.")
+            yield from field_docs(section, f"{dotted}.<name>." if keyed else f"{dotted}.")
 
 
-def _section_of(annotation: object) -> type[BaseModel] | None:
+def _section_of(annotation: object) -> tuple[type[BaseModel] | None, bool]:
+    """The model a field holds (directly, optionally, or as the values of a mapping: keyed), else None."""
     for candidate in (annotation, *typing.get_args(annotation)):
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
+            return candidate, False
+        if typing.get_origin(candidate) is dict:
+            value = typing.get_args(candidate)[1]
+            if isinstance(value, type) and issubclass(value, BaseModel):
+                return value, True
+    return None, False
 
 
 def describe_type(info: FieldInfo) -> str:
@@ -76,7 +81,7 @@ def _default_text(info: FieldInfo) -> str:
 
 
 def sections() -> list[str]:
-    return [name for name, info in RunConfig.model_fields.items() if _section_of(info.annotation) is not None]
+    return [name for name, info in RunConfig.model_fields.items() if _section_of(info.annotation)[0] is not None]
 
 
 def select(docs: list[FieldDoc], section: str | None) -> list[FieldDoc]:

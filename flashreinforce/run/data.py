@@ -3,7 +3,8 @@ files in the common RL format."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field, replace
 
 from flashreinforce.config import ReasoningGymConfig, RunConfig
 from flashreinforce.data.gsm8k import gsm8k_prompts
@@ -18,9 +19,30 @@ class Data:
     eval: list[Prompt]
     skipped_rows: int
     """Bad rows skipped (data.on_bad_row=skip), both files together."""
+    by_task: dict[str, tuple[list[Prompt], list[Prompt]]] = field(default_factory=dict)
+    """A mixture run's (train, eval) per task, in the config's order; {} in a one-task run."""
 
 
 def load_data(config: RunConfig) -> Data:
+    """The run's prompts; with tasks, each task's own, tagged with it (Prompt.task, an id "<task>/<id>", its
+    modality)."""
+    if config.tasks is None:
+        return load_task_data(config)
+    by_task, skipped = {}, 0
+    for name, task in config.task_list():
+        data = load_task_data(config.for_task(name))
+        tag = functools.partial(tagged, task=name, modality=task.modality)
+        by_task[name] = ([tag(p) for p in data.train], [tag(p) for p in data.eval])
+        skipped += data.skipped_rows
+    return Data(train=[p for train, _ in by_task.values() for p in train],
+                eval=[p for _, held_out in by_task.values() for p in held_out], skipped_rows=skipped, by_task=by_task)
+
+
+def tagged(prompt: Prompt, *, task: str, modality: str) -> Prompt:
+    return replace(prompt, id=f"{task}/{prompt.id}", task=task, modality=modality)
+
+
+def load_task_data(config: RunConfig) -> Data:
     from flashreinforce.run.tasks import (
         TASKS,  # tasks renders traces with the policy's tokenizer: above data
     )

@@ -157,13 +157,29 @@ def longest_prompt(config: RunConfig, episodes: TextEpisodes, data: Data, contex
     return PromptRoom(hinted, f"the longest prompt with its AHRL hint, algo.hints.p_initial={hints.p_initial}")
 
 
+def engine_shape(config: RunConfig, episodes: TextEpisodes, data: Data, context: int | None, *, version: int,
+                 seed: int) -> EngineShape:
+    """The engines' shape for every task of the run: the context the most demanding task needs (its prompt room
+    plus its own max_new_tokens), named after it when the model cannot hold it."""
+    shapes = []
+    for name, _ in config.task_list():
+        task_data = Data(*data.by_task[name], skipped_rows=0) if data.by_task else data
+        task_config = config.for_task(name)
+        room = longest_prompt(task_config, episodes, task_data, context)
+        setting = f"task {name}: {room.setting}" if name else room.setting
+        shapes.append((room.tokens + task_config.rollout.max_new_tokens, setting))
+    budget = max(config.for_task(name).rollout.max_new_tokens for name, _ in config.task_list())
+    needed, setting = max(shapes, key=lambda shape: shape[0])
+    return EngineShape(needed - budget, budget, version, seed, setting)
+
+
 def check_tiny_context(config: RunConfig, data: Data) -> None:
     """A model built from model.tiny has its context in the config: a run it cannot hold stops before the
     warm start, not after it."""
     if config.model.path is None:
         context = config.model.tiny.max_position_embeddings
-        room = longest_prompt(config, TextEpisodes(tiny_tokenizer(config)), data, context)
-        check_context(EngineShape.of(room, config.rollout.max_new_tokens, 0, 0), context)
+        check_context(engine_shape(config, TextEpisodes(tiny_tokenizer(config)), data, context, version=0, seed=0),
+                      context)
 
 
 def longest_rendered(episodes: TextEpisodes, prompts: Sequence[Prompt]) -> int:

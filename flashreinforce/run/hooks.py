@@ -13,6 +13,7 @@ from flashreinforce.controller.backend import Backend
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.eval.evaluate import EvalReport, evaluate
 from flashreinforce.metrics.console import TrainingProgress
+from flashreinforce.metrics.groups import group_metrics
 from flashreinforce.metrics.sink import MetricsSink
 from flashreinforce.run.engines import eval_params
 from flashreinforce.trainer.checkpoint import save_checkpoint
@@ -23,12 +24,18 @@ class HeldOut:
     """The run's held-out evaluation: eval.k samples of each of the first eval.num_prompts prompts."""
 
     def __init__(self, config: RunConfig, backend: Backend, episodes: TextEpisodes, prompts: Sequence[Prompt]) -> None:
+        """In a mixture, eval.num_prompts of each task's held-out prompts, each sampled as its task says."""
         self.config, self.backend, self.episodes = config, backend, episodes
-        self.prompts = list(prompts)[: config.eval.num_prompts]
+        by_task: dict[str, list[Prompt]] = {}
+        for prompt in prompts:
+            by_task.setdefault(prompt.task, []).append(prompt)
+        self.prompts = [p for members in by_task.values() for p in members[: config.eval.num_prompts]]
+        self.task_params = {name: eval_params(config.for_task(name)) for name in config.tasks or {}}
 
     async def report(self) -> EvalReport:
         return await evaluate(self.backend, self.episodes, self.prompts, k=self.config.eval.k,
-                              params=eval_params(self.config), seed=self.config.seed, greedy=self.config.eval.greedy)
+                              params=eval_params(self.config), seed=self.config.seed, greedy=self.config.eval.greedy,
+                              task_params=self.task_params)
 
     async def metrics(self, version: int) -> dict[str, float]:
         """The loop's EvalHook: flat eval/* metrics (the weights of `version` are the engine's)."""
@@ -48,6 +55,7 @@ class StepLog:
     def __call__(self, version: int, metrics: dict[str, float], batch: Sequence[Trajectory]) -> None:
         if "eval/avg@k" in metrics:
             self.last_eval.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
+        metrics = {**metrics, **group_metrics(batch, version)}
         self.sink.log(version, metrics)
         if self.samples_per_step:
             self.sink.samples(version, sample_rows(batch, self.episodes, self.samples_per_step))

@@ -71,7 +71,7 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
         microbatch_tokens=trainer.microbatch_tokens,
         pad_token_id=tokenizer.pad_token_id,
         temperature=config.rollout.temperature,
-        max_new_tokens=config.rollout.max_new_tokens,
+        max_new_tokens=max(config.for_task(name).rollout.max_new_tokens for name, _ in config.task_list()),
         overlong=OverlongShaping(algo.overlong.max_length, algo.overlong.cache) if algo.overlong else None,
         wpsm=(WPSMSettings(algo.wpsm.tau, algo.wpsm.eta, algo.wpsm.alpha, algo.wpsm.positive_only)
               if algo.wpsm else None),

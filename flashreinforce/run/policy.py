@@ -113,14 +113,20 @@ def tiny_policy(config: RunConfig) -> Policy:
 
 
 def tiny_tokenizer(config: RunConfig) -> Any:
-    task = TASKS[config.data.kind]
-    return build_char_tokenizer(task.alphabet, special_tokens=("<pad>", "<eos>", "<unk>", *task.special_tokens))
+    """The characters and tag tokens of every built-in task the run trains (in a mixture, all of theirs)."""
+    kinds = list(dict.fromkeys(task.data.kind for _, task in config.task_list()))
+    alphabet = "".join(dict.fromkeys("".join(TASKS[kind].alphabet for kind in kinds)))
+    special = tuple(dict.fromkeys(token for kind in kinds for token in TASKS[kind].special_tokens))
+    return build_char_tokenizer(alphabet, special_tokens=("<pad>", "<eos>", "<unk>", *special))
 
 
 def warm_start(config: RunConfig, data: Data, policy: Policy, reporter: Reporter) -> None:
-    """SFT on the task's imperfect demonstrations (run/tasks.py)."""
+    """SFT on the task's imperfect demonstrations (run/tasks.py); in a mixture, on every task's together."""
     tokenizer = policy.tokenizer
-    examples = TASKS[config.data.kind].sft_examples(config, tokenizer, data.train)
+    examples = []
+    for name, task in config.task_list():
+        train = data.by_task[name][0] if data.by_task else data.train
+        examples += TASKS[task.data.kind].sft_examples(config.for_task(name), tokenizer, train)
     started = time.perf_counter()
     with reporter.task("SFT warm start", total=config.sft.steps) as advance:
         sft_warm_start(policy.model, examples, steps=config.sft.steps, batch_size=config.sft.batch_size,

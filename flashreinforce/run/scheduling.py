@@ -9,15 +9,16 @@ import torch
 from flashreinforce.algorithms.dapo import dynamic_sampling_keep
 from flashreinforce.buffer import Scheduler, build_scheduler, scheduler_options
 from flashreinforce.config import RunConfig
-from flashreinforce.data.order import PromptOrder
-from flashreinforce.types import Prompt, Trajectory
+from flashreinforce.data.order import MixedOrder, PromptOrder
+from flashreinforce.run.data import Data
+from flashreinforce.types import Trajectory
 
 
-def build_run_scheduler(config: RunConfig, train: Sequence[Prompt], kind: str | None = None) -> Scheduler:
-    """scheduler.kind (or `kind`) with its options from the config section, over PromptOrder(train)."""
+def build_run_scheduler(config: RunConfig, data: Data, kind: str | None = None) -> Scheduler:
+    """scheduler.kind (or `kind`) with its options from the config section, over the run's data order."""
     schedule = config.scheduler
     kind = kind or schedule.kind
-    order = PromptOrder(list(train), seed=config.data.shuffle_seed)
+    order = run_order(config, data)
     return build_scheduler(
         kind,
         prompt_at=order.__getitem__,
@@ -26,6 +27,16 @@ def build_run_scheduler(config: RunConfig, train: Sequence[Prompt], kind: str | 
         group_filter=keeps_mixed_rewards if config.algo.dynamic_sampling else None,
         **{name: getattr(schedule, name) for name in scheduler_options(kind)},
     )
+
+
+def run_order(config: RunConfig, data: Data) -> PromptOrder | MixedOrder:
+    """The training prompt at every position: the data's seeded order, or with tasks their mixture by weight (each
+    task's prompts in its own seeded order, the interleaving seeded by the run's seed)."""
+    if not data.by_task:
+        return PromptOrder(list(data.train), seed=config.data.shuffle_seed)
+    tasks = dict(config.task_list())
+    orders = {name: PromptOrder(train, seed=tasks[name].data.shuffle_seed) for name, (train, _) in data.by_task.items()}
+    return MixedOrder(orders, {name: task.weight for name, task in tasks.items()}, seed=config.seed)
 
 
 def keeps_mixed_rewards(group: Sequence[Trajectory]) -> bool:

@@ -39,7 +39,7 @@ from flashreinforce.run.backends import (
 )
 from flashreinforce.run.data import Data, load_data
 from flashreinforce.run.directory import create_run_dir, read_json, write_json_atomic
-from flashreinforce.run.engines import EngineShape, check_tiny_context, longest_prompt, model_context, rollout_params
+from flashreinforce.run.engines import check_tiny_context, engine_shape, model_context, rollout_params
 from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
 from flashreinforce.run.policy import Policy, build_policy, load_policy, seed_everything
 from flashreinforce.run.scheduling import build_run_scheduler
@@ -117,10 +117,10 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
     """Build the run's parts; `stack` closes each one that was opened, whatever fails later. The backend builds
     its own engine, trainer and verifier pool: in this process, or in Ray actors (run/backends.py)."""
     episodes = build_episodes(config, start.policy.tokenizer)
-    room = longest_prompt(config, episodes, data, model_context(start.policy.model))
-    shape = EngineShape.of(room, config.rollout.max_new_tokens, start.version, config.seed)
+    shape = engine_shape(config, episodes, data, model_context(start.policy.model), version=start.version,
+                         seed=config.seed)
     opened = open_backend(config, start.policy, shape, stack)
-    scheduler = build_run_scheduler(config, data.train)
+    scheduler = build_run_scheduler(config, data)
     sink = MetricsSink(run_dir, tensorboard=config.log.tensorboard, wandb=config.log.wandb,
                        config=config.model_dump(mode="json"), resume_step=start.version if resume else None)
     stack.callback(sink.close)
@@ -141,8 +141,8 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
     start = starting_point(config, run_dir, data, resume, reporter)
     async with contextlib.AsyncExitStack() as stack:
         parts = open_parts(config, run_dir, data, start, resume, stack)
-        if parts.backend.env is not None:
-            await parts.backend.env.pool.start()  # an environment that cannot be built fails here, saying why
+        if parts.backend.pool is not None:
+            await parts.backend.pool.start()  # an environment that cannot be built fails here, saying why
         held_out = HeldOut(config, parts.backend, parts.episodes, data.eval)
         initial = await initial_evaluation(parts, held_out, reporter)
         writer = CheckpointWriter(config, run_dir, parts.backend, parts.trainer,
@@ -167,6 +167,7 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
 
 def loop_settings(config: RunConfig) -> LoopSettings:
     return LoopSettings(total_steps=config.trainer.steps, sampling=rollout_params(config), seed=config.seed,
+                        task_sampling={name: rollout_params(config.for_task(name)) for name in config.tasks or {}},
                         checkpoint_every=config.trainer.checkpoint_every, eval_every=config.eval.every,
                         overlap=not config.deterministic, in_flight_updates=config.rollout.in_flight_updates)
 
@@ -216,4 +217,14 @@ def summarize(parts: RunParts, initial: dict[str, float], final: dict[str, float
         "verifier": parts.pool.stats(),
         **{f"{when}_{name}": metrics[f"eval/{name}"] for when, metrics in (("initial", initial), ("final", final))
            for name in ("greedy_accuracy", "distinct_answers", "turns", "tool_calls") if f"eval/{name}" in metrics},
+        **({"tasks": task_summary(parts.config, initial, final)} if parts.config.tasks else {}),
     }
+
+
+def task_summary(config: RunConfig, initial: dict[str, float], final: dict[str, float]) -> dict[str, dict]:
+    """Each task's held-out score before and after RL (its own prompts and verifier)."""
+    return {name: {f"{when}_{metric}": scores[f"eval/task/{name}/{key}"]
+                   for when, scores in (("initial", initial), ("final", final))
+                   for metric, key in (("accuracy", "avg@k"), ("greedy_accuracy", "greedy_accuracy"))
+                   if f"eval/task/{name}/{key}" in scores}
+            for name in config.tasks}

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -82,8 +82,11 @@ class VerifierPool:
         idle_timeout_s: float = 30.0,
         memory_limit_mb: int | None = None,
         idle_cpus: Callable[[], float] | None = None,
+        task_refs: Mapping[str, str] | None = None,
     ) -> None:
         """reward_fns: references (see rewards.py) loaded by every worker; a bad one is a ValueError here.
+        task_refs: a mixture's verifier per task (one of reward_fns): a prompt of that task is scored with it
+        unless the call names another; the first of reward_fns scores the rest.
         memory_limit_mb caps each worker's address space (a call over it crashes with MemoryError).
         idle_cpus: how many CPUs are idle now (default: measured from /proc/stat or the load average).
         """
@@ -99,6 +102,10 @@ class VerifierPool:
                              "need 0 <= min_workers <= max_workers and max_workers >= 1")
         self._refs = {ref: resolve_reward_ref(ref) for ref in reward_fns}
         self._default_ref = reward_fns[0]
+        self._task_refs = dict(task_refs or {})
+        unloaded = {task: ref for task, ref in self._task_refs.items() if ref not in self._refs}
+        if unloaded:
+            raise ValueError(f"task_refs {unloaded} name verifiers not in reward_fns {list(reward_fns)}")
         self.timeout_s = timeout_s
         self.min_workers = min_workers
         self.max_workers = max_workers
@@ -140,7 +147,7 @@ class VerifierPool:
 
     def submit(self, completion: str, prompt: Prompt, *, reward_fn: str | None = None) -> Future[Verdict]:
         """Queue one call; the Future's result is its Verdict (it never holds an exception from user code)."""
-        ref = self._default_ref if reward_fn is None else reward_fn
+        ref = self._task_refs.get(prompt.task, self._default_ref) if reward_fn is None else reward_fn
         if ref not in self._refs:
             raise ValueError(f"reward function {ref!r} was not loaded by this pool; pass it in "
                              f"VerifierPool(reward_fns=[...]) (loaded: {list(self._refs)})")

@@ -108,7 +108,7 @@ def build_verifier(spec: VerifierSpec | str | Mapping[str, Any], *, field: str =
                          f"{', '.join(allowed) or 'none'}")
     try:
         return make(**options)
-    except TypeError as error:  # a required option missing
+    except (TypeError, ValueError) as error:  # a required option missing, or an option's value refused
         raise ValueError(f"{field}: {spec.kind}: {error}") from None
 
 

@@ -1,6 +1,8 @@
+from collections import Counter
+
 import pytest
 
-from flashreinforce.data.order import PromptOrder
+from flashreinforce.data.order import MixedOrder, PromptOrder, whole_weights
 from flashreinforce.types import Prompt
 
 
@@ -51,3 +53,49 @@ def test_bad_input_is_rejected():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="int >= 0"):
             order[bad]
+
+
+def _mixture(seed=0, weights=None):
+    orders = {"math": PromptOrder(_prompts(7), seed=1), "tool": PromptOrder([Prompt(id=f"t/{i}", prompt="", ground_truth="")
+                                                                             for i in range(5)], seed=2)}
+    return MixedOrder(orders, weights or {"math": 3, "tool": 1}, seed=seed)
+
+
+def test_a_mixture_follows_the_weights_exactly_every_cycle_and_each_task_its_own_order():
+    order = _mixture()
+    assert order.period == 4
+    tasks = [order.task_at(i) for i in range(400)]
+    for c in range(100):  # every cycle of 4 positions: 3 math, 1 tool
+        assert sorted(tasks[4 * c: 4 * c + 4]) == ["math", "math", "math", "tool"]
+    assert tasks[:40] != ["math", "math", "math", "tool"] * 10  # shuffled within cycles, not a fixed pattern
+    math_ids = [order[i].id for i in range(400) if tasks[i] == "math"]
+    assert math_ids == [order.orders["math"][k].id for k in range(300)]  # the task's own seeded order, in turn
+    tool_ids = [order[i].id for i in range(400) if tasks[i] == "tool"]
+    assert tool_ids == [order.orders["tool"][k].id for k in range(100)]
+
+
+def test_a_mixture_is_a_function_of_the_seed_and_the_position_alone():
+    """What a resumed run relies on: a fresh order maps every position to the same (task, prompt), in any visiting
+    order; another seed interleaves differently."""
+    first, resumed = _mixture(seed=5), _mixture(seed=5)
+    positions = [1003, 2, 57, 0, 1003, 401]
+    expected = {i: (first.locate(i), first[i].id) for i in sorted(set(positions))}
+    assert [(resumed.locate(i), resumed[i].id) for i in positions] == [expected[i] for i in positions]
+    assert [first.task_at(i) for i in range(40)] != [_mixture(seed=6).task_at(i) for i in range(40)]
+
+
+@pytest.mark.parametrize(("weights", "shares"), [({"a": 3, "b": 1, "c": 1}, {"a": 3, "b": 1, "c": 1}),
+                                                ({"a": 0.7, "b": 0.3}, {"a": 7, "b": 3}),
+                                                ({"a": 1 / 3, "b": 2 / 3}, {"a": 1, "b": 2}),
+                                                ({"a": 1.0, "b": 1e-6}, {"a": 1000, "b": 1})])
+def test_weights_become_the_smallest_whole_shares_and_no_task_is_left_out(weights, shares):
+    assert whole_weights(weights) == shares
+
+
+def test_empirical_shares_of_a_long_run_match_fractional_weights():
+    orders = {name: PromptOrder(_prompts(3), seed=0) for name in ("a", "b", "c")}
+    order = MixedOrder(orders, {"a": 0.5, "b": 0.3, "c": 0.2}, seed=0)
+    counts = Counter(order.task_at(i) for i in range(1000))
+    assert counts == {"a": 500, "b": 300, "c": 200}
+    counts = Counter(order.task_at(i) for i in range(137))  # not a whole number of cycles: within one cycle
+    assert all(abs(counts[t] - 137 * w) <= order.period for t, w in {"a": 0.5, "b": 0.3, "c": 0.2}.items())
