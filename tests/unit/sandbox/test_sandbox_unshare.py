@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+from sandbox_attacks import SLEEPING_FORKS, connect_loopback, read_and_write_outside
+
 from flashreinforce.sandbox.launch import usr_links
 
 
@@ -20,10 +22,7 @@ def test_the_network_is_unreachable(unshare_sandbox):
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-                "    print('CONNECTED')\nexcept OSError as error:\n    print(type(error).__name__)\n"
-                "print(open('/proc/net/tcp').read())")
-        result = unshare_sandbox.run(code)
+        result = unshare_sandbox.run(connect_loopback(port))
         listener.settimeout(0.1)
         try:
             listener.accept()
@@ -37,18 +36,11 @@ def test_the_network_is_unreachable(unshare_sandbox):
 def test_files_outside_are_not_readable_nor_writable(unshare_sandbox, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("hunter2")
-    code = (f"for path in ({str(secret)!r}, '/etc/passwd', '/root'):\n    try:\n        print(open(path).read())\n"
-            "    except OSError as error:\n        print(type(error).__name__)\n"
-            f"for path in ({str(tmp_path / 'escaped')!r}, '/usr/escaped', '/escaped'):\n    try:\n"
-            "        open(path, 'w')\n        print('WROTE', path)\n    except OSError as error:\n"
-            "        print(type(error).__name__)")
-    result = unshare_sandbox.run(code)
+    result = unshare_sandbox.run(read_and_write_outside(str(secret), str(tmp_path / 'escaped')))
     assert "hunter2" not in result.output and "WROTE" not in result.output
     assert len(result.output.splitlines()) == 6
     assert not (tmp_path / "escaped").exists()
 
 
 def test_the_process_limit_holds(unshare_sandbox):
-    code = ("import os, time\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
-            "            time.sleep(10)\n            os._exit(0)\n        n += 1\nexcept BlockingIOError:\n    pass\nprint(n)")
-    assert int(unshare_sandbox.run(code).output) == unshare_sandbox.limits.nproc - 1
+    assert int(unshare_sandbox.run(SLEEPING_FORKS).output) == unshare_sandbox.limits.nproc - 1
