@@ -614,7 +614,9 @@ class RunConfig(_Section):
                                  f"rollout.temperature={self.rollout.temperature}: the trainer recomputes every row's "
                                  "log-probs at one temperature, so a task cannot sample at another yet; set it to "
                                  "rollout.temperature or leave it out")
-        shadowed = sorted({"data", "env"} & self.model_fields_set)
+        # Compared with the defaults, not by whether they were given: a run's saved config.yaml spells them out.
+        shadowed = [name for name, default in (("data", DataConfig()), ("env", EnvConfig()))
+                    if getattr(self, name) != default]
         if shadowed:
             raise ValueError(f"tasks: and the run's {' and '.join(shadowed)} section both given; with tasks, each "
                              f"task has its own (tasks.<name>.{shadowed[0]}): move it into the tasks")

@@ -99,7 +99,7 @@ def _resume_mid_episode(run_dir: Path) -> None:
             shutil.rmtree(newer)
 
 
-@pytest.mark.parametrize("run", ["tiny_run", "agent_run", "moe_run"])
+@pytest.mark.parametrize("run", ["tiny_run", "agent_run", "moe_run", "mix_run"])
 def test_deterministic_kill_and_resume_ends_with_identical_weights(run, request, tmp_path):
     tiny_run = request.getfixturevalue(run)
     _run(_command(tmp_path / "straight", tiny_run, "--deterministic"))
@@ -119,7 +119,7 @@ def test_deterministic_kill_and_resume_ends_with_identical_weights(run, request,
 
 
 @pytest.mark.parametrize(("run", "delay"), [("tiny_run", 0.0), ("tiny_run", 0.2), ("agent_run", 0.1),
-                                            ("moe_run", 0.1)])
+                                            ("moe_run", 0.1), ("mix_run", 0.1)])
 def test_overlapped_kill_and_resume_trains_every_rollout_once(run, request, tmp_path, delay):
     run_dir = tmp_path / "run"
     if run == "agent_run":  # whether a step's checkpoint holds an episode mid-way depends on timing (about 1 in 3

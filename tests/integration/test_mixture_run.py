@@ -1,0 +1,34 @@
+"""A mixture of tasks end to end: arithmetic (single-turn, the math verifier) and the text game (an environment
+and its reward) trained together, 3:1, each in its own way, with metrics and held-out scores per task."""
+
+import json
+
+import pytest
+
+from flashreinforce.config import load_config
+from flashreinforce.run import run_training
+from flashreinforce.trainer.checkpoint import latest_checkpoint, load_states
+
+pytestmark = pytest.mark.slow  # a whole run, ~10 s
+
+
+def test_a_mixture_trains_both_tasks_by_weight_and_reports_each(mix_run, tmp_path):
+    """Under urb a step trains exactly the prompts at its positions of the mixed order: 6 + 2 of every 8."""
+    run = tmp_path / "run"
+    summary = run_training(load_config(None, [*mix_run, "scheduler.kind=urb"]), run_dir=run)
+    assert summary["optimizer_steps"] == 3 and summary["trained_trajectories"] == 24
+    assert set(summary["tasks"]) == {"sums", "game"}
+    assert all({"initial_accuracy", "final_accuracy"} <= set(scores) for scores in summary["tasks"].values())
+    _, controller, _ = load_states(latest_checkpoint(run / "checkpoints"))
+    trained = [prompt_id for prompt_id, _, status in controller["scheduler"]["ledger"]["entries"]
+               if isinstance(status, int)]
+    tasks = [prompt_id.split("/", 1)[0] for prompt_id in trained]
+    assert len(tasks) == 24 and tasks.count("sums") == 18 and tasks.count("game") == 6  # 3:1
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss/policy" in r]
+    assert all((r["task/sums/rows"], r["task/game/rows"]) == (6, 2) for r in steps)
+    assert all("task/game/turns" in r and "task/sums/turns" not in r for r in steps)  # episodes only in the game
+    assert {"eval/task/sums/avg@k", "eval/task/game/avg@k"} <= set(rows[0])
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    game = [s for s in samples if s["prompt_id"].startswith("game/")]
+    assert all(s["reason"] in ("ok", "failed") for s in game)  # the environment's reward (env.reward=env)
