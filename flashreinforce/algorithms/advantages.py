@@ -38,6 +38,32 @@ def batch_mean_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return rewards - rewards.mean()
 
 
+BASELINES = ("batch", "task")
+
+
+def flashreinforce_advantages(rewards: Tensor, group_ids: Tensor, *, baseline: str = "batch",
+                              task_ids: Tensor | None = None) -> Tensor:
+    """FlashREINFORCE's baseline: the batch mean (batch_mean_advantages), or with baseline="task" each row's
+    task's mean in the batch, A_i = R_i - mean{R_j : task_j = task_i}, so that tasks whose rewards differ in
+    scale do not set each other's baseline. A task with one row in the batch gets A = 0 (count them with
+    single_row_tasks).
+
+    Example: rewards [1, 0, 10, 20], tasks [0, 0, 1, 1] -> batch: [-6.75, -7.75, 2.25, 12.25]; task: [0.5, -0.5,
+    -5, 5].
+    """
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline={baseline!r} is not one of {BASELINES}")
+    if baseline == "batch" or task_ids is None:
+        return batch_mean_advantages(rewards, group_ids)
+    rewards = _as_float("rewards", rewards)
+    return rewards - group_mean(rewards, task_ids)
+
+
+def single_row_tasks(task_ids: Tensor) -> int:
+    """Tasks with exactly one row in the batch: under baseline="task" their advantage is 0, they teach nothing."""
+    return int((torch.unique(task_ids, return_counts=True)[1] == 1).sum())
+
+
 def grpo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """GRPO (DeepSeekMath): A_i = (R_i - mean_g R) / (std_g R + 1e-6) within each prompt's group g.
 

@@ -32,6 +32,7 @@ def flashreinforce_loss(
     reward_mean: float | None = None,
     num_sequences: int | None = None,
     sequence_weights: Tensor | None = None,
+    advantages: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """FlashREINFORCE: one-rollout REINFORCE with a detached IS ratio and a per-trajectory trust region.
 
@@ -53,7 +54,9 @@ def flashreinforce_loss(
     position); other rows keep every policy token. q = 1 is the base method.
 
     Slice form: pass the WHOLE batch's `reward_mean` and `num_sequences` (global B); summing the slices'
-    losses and gradients then reproduces the full batch's (DESIGN invariant 4).
+    losses and gradients then reproduces the full batch's (DESIGN invariant 4). `advantages` (B,), when given,
+    replace R_i - mean_j R_j (a baseline of the estimator's, e.g. each task's mean in a mixture: algo.options
+    baseline=task); reward_mean is then unused.
 
     Shapes: log_probs, behavior_log_probs, action_mask, entropies (B, T); rewards, failures,
     sequence_weights (B,). Values at non-policy positions are ignored, NaN and inf included. bf16 and
@@ -84,7 +87,12 @@ def flashreinforce_loss(
         _check_policy_logprobs("log_probs", current)
         _check_policy_logprobs("behavior_log_probs", behavior)
         rewards = rewards.to(dtype)
-        advantages = rewards - (rewards.mean() if reward_mean is None else reward_mean)  # (B,)
+        if advantages is None:
+            advantages = rewards - (rewards.mean() if reward_mean is None else reward_mean)  # (B,)
+        elif advantages.shape != rewards.shape or not bool(torch.isfinite(advantages).all()):
+            raise ValueError(f"advantages of shape {tuple(advantages.shape)} must be finite, one per row "
+                             f"{tuple(rewards.shape)}")
+        advantages = advantages.to(dtype)
 
         sequence_kl = sequence_bernoulli_kl(behavior, current, lengths)  # (B,)
         admitted = sequence_kl <= delta  # (B,)

@@ -68,6 +68,9 @@ class GlobalNorm:
     """Global batch-mean reward (FlashREINFORCE's baseline)."""
     max_new_tokens: int
     """The constant L of seq-mean-token-sum-norm (Dr.GRPO: the generation budget)."""
+    per_row_baselines: bool = False
+    """FlashREINFORCE takes the estimator's advantages (each row against its task's mean, algo.options
+    baseline=task) instead of R_i - reward_mean."""
 
     def __post_init__(self) -> None:
         for name in ("num_sequences", "num_tokens", "max_new_tokens"):

@@ -11,6 +11,7 @@ loss is adding one entry. Usage:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -20,8 +21,9 @@ from typing import Any
 from torch import Tensor
 
 from flashreinforce.algorithms.advantages import (
+    BASELINES,
     WHITEN_OVER,
-    batch_mean_advantages,
+    flashreinforce_advantages,
     drgrpo_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
@@ -44,9 +46,10 @@ from flashreinforce.algorithms.objectives import (
 class LossSpec:
     """One loss of the menu."""
 
-    advantages: Callable[[Tensor, Tensor, Tensor], Tensor]
-    """(rewards (N,), group_ids (N,) long, token_counts (N,) long, **advantage options) -> (N,), over the
-    WHOLE batch; token_counts are each row's loss tokens; `advantage_defaults` pre-applied."""
+    advantages: Callable[..., Tensor]
+    """(rewards (N,), group_ids (N,) long, token_counts (N,) long, task_ids=(N,) long or None, **advantage
+    options) -> (N,), over the WHOLE batch; token_counts are each row's loss tokens, task_ids its task in a
+    mixture (estimators that do not use them ignore them); `advantage_defaults` pre-applied."""
     objective: Callable[..., tuple[Tensor, dict[str, Tensor]]]
     """(inputs: LossInputs, norm: GlobalNorm, **options) -> (loss, stats); `defaults` pre-applied."""
     defaults: Mapping[str, Any]
@@ -85,19 +88,39 @@ class WhitenOptions:
             raise ValueError(f"option whiten={self.whiten!r} is not one of {WHITEN_OVER}")
 
 
+@dataclass(frozen=True)
+class BaselineOptions:
+    """Options of FlashREINFORCE's estimator."""
+
+    baseline: str = "batch"
+    """batch: R_i minus the batch mean; task: minus the mean of the row's task in the batch (a mixture whose tasks'
+    rewards differ in scale); the same in a one-task run."""
+
+    def __post_init__(self) -> None:
+        if self.baseline not in BASELINES:
+            raise ValueError(f"option baseline={self.baseline!r} is not one of {BASELINES}")
+
+
 def _spec(advantages: Callable, objective: Callable, options: object,
           advantage_options: type | None = None) -> LossSpec:
     defaults = MappingProxyType(asdict(options))
+    estimator = _called_as_every_spec(advantages)
     if advantage_options is None:
-        return LossSpec(_reads_no_token_counts(advantages), partial(objective, **defaults), defaults)
-    return LossSpec(partial(advantages, **asdict(advantage_options())), partial(objective, **defaults), defaults,
+        return LossSpec(estimator, partial(objective, **defaults), defaults)
+    return LossSpec(partial(estimator, **asdict(advantage_options())), partial(objective, **defaults), defaults,
                     advantage_options)
 
 
-def _reads_no_token_counts(estimator: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """An estimator of rewards and groups alone, called the way every LossSpec.advantages is."""
-    def advantages(rewards: Tensor, group_ids: Tensor, token_counts: Tensor) -> Tensor:
-        return estimator(rewards, group_ids)
+def _called_as_every_spec(estimator: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """An estimator called the way every LossSpec.advantages is: (rewards, group_ids, token_counts, task_ids=...,
+    **options), passing on only the arguments it takes."""
+    takes = inspect.signature(estimator).parameters
+
+    def advantages(rewards: Tensor, group_ids: Tensor, token_counts: Tensor, *, task_ids: Tensor | None = None,
+                   **options: Any) -> Tensor:
+        if "task_ids" in takes:
+            options["task_ids"] = task_ids
+        return estimator(rewards, group_ids, *([token_counts] if "token_counts" in takes else []), **options)
     return advantages
 
 
@@ -105,7 +128,8 @@ GSPO_CLIP = ClipOptions(eps_low=3e-4, eps_high=4e-4)  # the GSPO paper's ranges,
 
 LOSSES: dict[str, LossSpec] = {
     # FlashREINFORCE: one rollout per prompt, batch-mean baseline, detached ratio, sequence trust region.
-    "flashreinforce": _spec(batch_mean_advantages, flashreinforce_objective, FlashReinforceOptions()),
+    "flashreinforce": _spec(flashreinforce_advantages, flashreinforce_objective, FlashReinforceOptions(),
+                            BaselineOptions),
     # GRPO: group-normalised advantages, symmetric clip 0.2, seq-mean-token-mean, no KL term.
     "grpo": _spec(grpo_advantages, clip_objective, ClipOptions()),
     # Dr.GRPO: no std in the advantage, token sums over the constant L instead of |o_i|.

@@ -123,7 +123,7 @@ def flashreinforce_objective(inputs: LossInputs, norm: GlobalNorm, **options) ->
     """FlashREINFORCE on a slice: flashreinforce_loss with the batch's reward mean and B.
 
     The baseline is part of the method (A_i = R_i - global mean reward), so this reads inputs.rewards and
-    norm.reward_mean, not inputs.advantages. old_logprobs is not read either: the ratio and the KL gate use
+    norm.reward_mean, not inputs.advantages, unless norm.per_row_baselines (baseline=task: the estimator's). old_logprobs is not read either: the ratio and the KL gate use
     sg[policy_logprobs], as in the reference. sequence_weights (e.g. WPSM) scale each row's loss.
     """
     o = parse_options(FlashReinforceOptions, options, "flashreinforce")
@@ -139,6 +139,7 @@ def flashreinforce_objective(inputs: LossInputs, norm: GlobalNorm, **options) ->
         reward_mean=norm.reward_mean,
         num_sequences=norm.num_sequences,
         sequence_weights=inputs.sequence_weights,
+        advantages=inputs.advantages if norm.per_row_baselines else None,
     )
 
 

@@ -33,6 +33,7 @@ class TrainBatch:
     failures: torch.Tensor  # (B,) bool: the verifier did not pass the row
     response_lengths: torch.Tensor  # (B,) long: tokens after the prompt, trained or not (masking shortens no row)
     modalities: tuple[str, ...]
+    task_ids: torch.Tensor | None = None  # (B,) long: rows of the same task share an id (a mixture's baseline)
     stale_context: torch.Tensor | None = None  # (B,) bool: some token sampled over KV of older weights
     routes: torch.Tensor | None = None  # (B, T, layers, k) int16 MoE routes of the rollout, -1 none; None: dense
 
@@ -131,9 +132,16 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch
         failures=torch.tensor([not t.verdict.passed for t in trajectories], dtype=torch.bool),
         response_lengths=torch.tensor([t.response_length for t in trajectories], dtype=torch.long),
         modalities=tuple(t.prompt.modality for t in trajectories),
+        task_ids=_index(t.prompt.task for t in trajectories),
         stale_context=torch.tensor([t.stale_context for t in trajectories], dtype=torch.bool),
         routes=_collate_routes(trajectories, width),
     )
+
+
+def _index(names) -> torch.Tensor:
+    """Each name's index in order of first appearance: ("b", "a", "b") -> [0, 1, 0]."""
+    seen: dict[str, int] = {}
+    return torch.tensor([seen.setdefault(name, len(seen)) for name in names], dtype=torch.long)
 
 
 def _collate_routes(trajectories: Sequence[Trajectory], width: int) -> torch.Tensor | None:

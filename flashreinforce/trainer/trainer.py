@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from flashreinforce.algorithms import LOSSES, GlobalNorm, LossInputs
+from flashreinforce.algorithms.advantages import single_row_tasks
 from flashreinforce.algorithms.dapo import overlong_penalty
 from flashreinforce.algorithms.wpsm import mean_token_entropy, wpsm_flags, wpsm_weights
 from flashreinforce.models.logprobs import token_logprobs
@@ -218,9 +219,10 @@ class Trainer:
             rewards = rewards + overlong_penalty(batch.response_lengths, max_length=self.overlong.max_length,
                                                  cache_length=self.overlong.cache)
         advantages = self.spec.advantages(rewards, batch.group_ids, batch.loss_mask.sum(dim=1),
-                                          **self.advantage_options)  # (B,)
+                                          task_ids=batch.task_ids, **self.advantage_options)  # (B,)
         norm = GlobalNorm(num_sequences=batch.num_rows, num_tokens=int(batch.loss_mask.sum()),
-                          reward_mean=float(rewards.mean()), max_new_tokens=self.max_new_tokens)
+                          reward_mean=float(rewards.mean()), max_new_tokens=self.max_new_tokens,
+                          per_row_baselines=self.advantage_options.get("baseline") == "task")
         group_accuracy = _group_accuracy(batch) if self.wpsm is not None else None
         return _Targets(rewards, advantages, norm, group_accuracy)
 
@@ -482,6 +484,8 @@ def _batch_metrics(batch: TrainBatch, trajectories: Sequence[Trajectory], target
         "batch/rows": float(batch.num_rows),
         "batch/policy_tokens": float(targets.norm.num_tokens),
     }
+    if targets.norm.per_row_baselines:  # baseline=task: a task alone in the batch has advantage 0
+        metrics["advantage/single_row_tasks"] = float(single_row_tasks(batch.task_ids))
     hinted = [t.hint_length for t in trajectories if t.hint_length]
     if hinted:
         metrics["hints/hinted_fraction"] = len(hinted) / len(trajectories)

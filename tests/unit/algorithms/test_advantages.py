@@ -144,3 +144,36 @@ def test_group_advantages_sum_to_zero_per_group(estimator):
 def test_bad_inputs_raise_value_error(rewards, groups):
     with pytest.raises(ValueError):
         grpo_advantages(rewards, groups)
+
+
+# ---- FlashREINFORCE's baseline in a mixture of tasks (algo.options.baseline) ---------------------------------
+
+def test_the_task_baseline_centres_each_task_on_its_own_mean_and_the_batch_baseline_on_the_batchs():
+    from flashreinforce.algorithms.advantages import flashreinforce_advantages, single_row_tasks
+
+    rewards, groups = torch.tensor([1.0, 0.0, 10.0, 20.0]), torch.arange(4)
+    tasks = torch.tensor([0, 0, 1, 1])
+    assert torch.allclose(flashreinforce_advantages(rewards, groups), torch.tensor([-6.75, -7.75, 2.25, 12.25]))
+    by_task = flashreinforce_advantages(rewards, groups, baseline="task", task_ids=tasks)
+    assert torch.allclose(by_task, torch.tensor([0.5, -0.5, -5.0, 5.0]))
+    # each task's advantages sum to zero: a task of larger rewards no longer pushes the other's rows down
+    assert all(abs(float(by_task[tasks == t].sum())) < 1e-6 for t in (0, 1))
+    one_task = torch.zeros(4, dtype=torch.long)
+    assert torch.equal(flashreinforce_advantages(rewards, groups, baseline="task", task_ids=one_task),
+                       flashreinforce_advantages(rewards, groups))
+    alone = torch.tensor([0, 0, 1, 2])  # tasks 1 and 2 have one row each: advantage 0, counted
+    assert flashreinforce_advantages(rewards, groups, baseline="task", task_ids=alone)[2:].tolist() == [0.0, 0.0]
+    assert single_row_tasks(alone) == 2
+    with pytest.raises(ValueError, match="baseline='prompt' is not one of"):
+        flashreinforce_advantages(rewards, groups, baseline="prompt")
+
+
+def test_the_baseline_is_an_option_of_the_flashreinforce_loss_and_validated():
+    from flashreinforce.algorithms import LOSSES
+
+    spec = LOSSES["flashreinforce"]
+    assert spec.advantage_defaults == {"baseline": "batch"}
+    advantage, objective = spec.split_options({"baseline": "task", "delta": 1e-3}, "flashreinforce")
+    assert (advantage, objective) == ({"baseline": "task"}, {"delta": 1e-3})
+    with pytest.raises(ValueError, match="option baseline='row' is not one of"):
+        spec.split_options({"baseline": "row"}, "flashreinforce")

@@ -128,6 +128,37 @@ def test_a_token_budget_packs_sorted_rows_and_steps_like_one_batch():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_the_task_baseline_trains_each_task_against_its_own_mean_and_microbatches_still_add_up():
+    """algo.options.baseline=task in a mixture whose tasks' rewards differ in scale: each row's advantage is its
+    reward minus its task's batch mean, and 3 microbatches step the weights exactly like one batch."""
+    base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
+    rows = _on_policy_batch(base, rows=8, group_size=1)
+    rows = [dataclasses.replace(t, prompt=dataclasses.replace(t.prompt, task="a" if i < 4 else "b"),
+                                verdict=Verdict(reward=float(i % 2) + (10.0 if i >= 4 else 0.0), passed=True))
+            for i, t in enumerate(rows)]
+    whole, split = copy.deepcopy(base), copy.deepcopy(base)
+    trainer = _trainer(whole, "flashreinforce", microbatch_size=8)
+    trainer.loss_options = {**trainer.loss_options, "delta": math.inf}
+    trainer.advantage_options = {"baseline": "task"}
+    batch = collate(sorted(rows, key=lambda t: len(t.tokens)), 0)
+    targets = trainer._targets(batch)
+    expected = torch.tensor([t.reward - (0.5 if t.prompt.task == "a" else 10.5)
+                             for t in sorted(rows, key=lambda t: len(t.tokens))], dtype=targets.advantages.dtype)
+    assert torch.allclose(targets.advantages, expected) and targets.norm.per_row_baselines
+    metrics = trainer.step(rows)
+    assert metrics["advantage/single_row_tasks"] == 0
+    other = _trainer(split, "flashreinforce", microbatch_size=3)
+    other.loss_options, other.advantage_options = trainer.loss_options, {"baseline": "task"}
+    other.step(rows)
+    for a, b in zip(whole.parameters(), split.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    batch_baseline = copy.deepcopy(base)
+    plain = _trainer(batch_baseline, "flashreinforce", microbatch_size=8)
+    plain.loss_options = trainer.loss_options
+    plain.step(rows)  # the batch mean (5.5) instead: every task-a row pushed down, task-b up: another step
+    assert any(not torch.equal(a, b) for a, b in zip(whole.parameters(), batch_baseline.parameters()))
+
+
 def test_gradient_checkpointing_recomputes_each_layer_and_steps_like_the_plain_forward():
     base = build_model(VOCAB, 16, 2, 2, 32, dtype=torch.float64, seed=1)
     batch = _on_policy_batch(base, rows=6, group_size=1)
