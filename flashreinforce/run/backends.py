@@ -24,6 +24,7 @@ from flashreinforce.envs.protocol import EnvSpec, resolve_env_class
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.rollout.vllm_engine import SETUP_HINT
+from flashreinforce.run.data import Data
 from flashreinforce.run.engines import ENGINES, EngineShape, build_engine
 from flashreinforce.run.learner import build_rank_trainer, build_trainer, start_trainer
 from flashreinforce.run.policy import Policy
@@ -32,7 +33,7 @@ from flashreinforce.run.tasks import renderer_for
 from flashreinforce.trainer.distributed import RankGroup
 from flashreinforce.trainer.trainer import Trainer
 from flashreinforce.verifiers.pool import VerifierPool
-from flashreinforce.verifiers.registry import parse_spec, spec_ref
+from flashreinforce.verifiers.registry import check_rows, parse_spec, spec_ref
 
 if TYPE_CHECKING:
     from flashreinforce.controller.ray_cluster import RaySettings
@@ -166,6 +167,17 @@ def verifier_options(config: RunConfig, *, workers: int | None = None) -> dict[s
     return {"reward_fns": list(dict.fromkeys(task_refs.values())), "task_refs": task_refs,
             "timeout_s": verifier.timeout_s, "min_workers": low, "max_workers": high,
             "memory_limit_mb": verifier.memory_limit_mb}
+
+
+def check_verifiers(config: RunConfig, data: Data) -> None:
+    """Before any work: each task's rows reach its verifier and carry ground truths it can read (registry
+    check_rows); a user function is checked when the pool loads it, an environment's reward needs none."""
+    for name, task in config.task_list():
+        if (task.env.multi_turn and task.env.reward == "env") or (isinstance(task.verifier, str) and ":" in task.verifier):
+            continue
+        prompts = [*data.by_task[name][0], *data.by_task[name][1]] if data.by_task else [*data.train, *data.eval]
+        field = f"tasks.{name}.verifier" if name else "verifier.reward_fn"
+        check_rows(parse_spec(task.verifier, field=field), prompts, field=field)
 
 
 def verifier_reference(value: str | dict[str, Any]) -> str:

@@ -35,6 +35,7 @@ from flashreinforce.run.backends import (
     build_episode_backend,
     build_episodes,
     check_buildable,
+    check_verifiers,
     open_backend,
 )
 from flashreinforce.run.data import Data, load_data
@@ -137,6 +138,7 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
 async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Reporter) -> dict[str, Any]:
     started = time.perf_counter()
     data = load_data(config)
+    check_verifiers(config, data)
     check_tiny_context(config, data)
     start = starting_point(config, run_dir, data, resume, reporter)
     async with contextlib.AsyncExitStack() as stack:

@@ -169,6 +169,30 @@ def route_verifier(*, route: Mapping[str, Any]) -> RewardFn:
     return score
 
 
+def check_rows(spec: VerifierSpec, prompts: Sequence[Prompt], *, field: str = "verifier") -> None:
+    """Before any work: every row reaches a verifier (its data_source has a route), and its ground truth is one
+    its verifier can read (a verifier module's check_ground_truth, e.g. ifeval's and code's), else a ValueError
+    naming the field, the row and the fix."""
+    options = dict(spec.options)
+    if spec.kind == "route":
+        check_routes(spec, sorted({p.data_source for p in prompts}), field=field)
+        for source, sub in options["route"].items():
+            check_rows(parse_spec(sub, field=f"{field}.route.{source}"), [p for p in prompts if p.data_source == source],
+                       field=f"{field}.route.{source}")
+        return
+    if spec.kind == "sum":
+        for index, part in enumerate(options["parts"]):
+            part = {k: v for k, v in part.items() if k not in ("weight", "name")}
+            check_rows(parse_spec(part, field=f"{field}.parts[{index}]"), prompts, field=f"{field}.parts[{index}]")
+        return
+    checker = getattr(importlib.import_module(FACTORIES[spec.kind].partition(":")[0]), "check_ground_truth", None)
+    for prompt in prompts if checker is not None else ():
+        try:
+            checker(prompt.ground_truth)
+        except ValueError as error:
+            raise ValueError(f"{field} ({spec.kind}): row {prompt.id}: {error}") from None
+
+
 def check_routes(spec: VerifierSpec, data_sources: Sequence[str], *, field: str = "verifier") -> None:
     """Before any work: every data_source of a task's rows has a route (a spec that routes none passes)."""
     if spec.kind != "route":

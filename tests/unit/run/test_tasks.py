@@ -119,3 +119,20 @@ def test_tasks_beside_the_runs_own_data_or_env_section_is_refused_and_an_unknown
     config = load_config(None, ["tasks={a: {data: {kind: arithmetic}, env: {kind: chess}}}"])
     with pytest.raises(ValueError, match="env.kind='chess'"):
         check_buildable(config)
+
+
+def test_a_row_no_route_claims_is_refused_before_any_work_naming_the_task_and_the_source(tmp_path):
+    import json
+
+    from flashreinforce.run.backends import check_verifiers
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"q{i}", "reward_model": {"ground_truth": "1"},
+                                        "data_source": source}) + "\n" for i, source in enumerate(["sums", "trivia"])))
+    task = f"{{data: {{kind: files, train: {rows}, eval: {rows}}}, verifier: {{route: {{sums: math}}}}}}"
+    config = load_config(None, [f"tasks={{mixed: {task}}}", "model.path=/a/model"])
+    with pytest.raises(ValueError, match=r"tasks.mixed.verifier: rows with data_source 'trivia' have no route"):
+        check_verifiers(config, load_data(config))
+    routed = load_config(None, [f"tasks={{mixed: {task.replace('sums: math', 'sums: math, trivia: exact')}}}",
+                                "model.path=/a/model"])
+    check_verifiers(routed, load_data(routed))
