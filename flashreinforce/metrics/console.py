@@ -39,7 +39,7 @@ class TrainingProgress:
 
     def update(self, version: int, metrics: dict[str, float], heldout: float | None) -> None:
         info = (
-            f"reward {metrics.get('reward/mean', float('nan')):.3f}  "
+            f"reward {metrics.get('reward/mean', float('nan')):.3f}{worst_task(metrics)}  "
             f"held-out {heldout if heldout is not None else float('nan'):.1f}%  "
             f"lag {metrics.get('lag/mean', 0.0):.2f}/{metrics.get('lag/max', 0.0):.0f}  "
             f"{metrics.get('throughput/tokens_per_second', 0.0):,.0f} tok/s"
@@ -47,6 +47,16 @@ class TrainingProgress:
         self._progress.update(self._task, completed=version, info=info)
         if not self.live and (version % 10 == 0 or version == self.total):
             self.console.print(f"step {version}/{self.total}  {info}")
+
+
+def worst_task(metrics: dict[str, float]) -> str:
+    """" (worst: tool 0.125)" for a mixture's step, the task of the lowest training reward; "" for one task."""
+    rewards = {key.split("/")[1]: value for key, value in metrics.items()
+               if key.startswith("task/") and key.endswith("/reward_mean")}
+    if len(rewards) < 2:
+        return ""
+    task = min(rewards, key=rewards.get)
+    return f" (worst: {task} {rewards[task]:.3f})"
 
 
 class Reporter:

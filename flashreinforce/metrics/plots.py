@@ -1,8 +1,9 @@
 """Plots of a run, drawn from metrics.jsonl alone: no torch, no live run needed.
 
 `plot_run(run_dir)` writes plots/{reward,heldout_accuracy,entropy,acceptance_rate,lag_histogram,
-tokens_per_second,mismatch,sequence_kl,rejections}.png (a plot whose metric a run never logged is skipped
-and named in the return value).
+tokens_per_second,mismatch,sequence_kl,rejections}.png, and for a mixture of tasks task_reward and
+task_heldout_accuracy (one curve per task); a plot whose metric a run never logged is skipped and named in the
+return value.
 """
 
 from __future__ import annotations
@@ -44,29 +45,42 @@ def plot_run(run_dir: Path) -> dict[str, str]:
     rows = read_metrics(run_dir / "metrics.jsonl")
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
-    result = {}
-    for plot_name, (names, title) in LINE_PLOTS.items():
-        series = {name: _series(rows, name) for name in names}
-        if not any(xs for xs, _ in series.values()):
-            result[plot_name] = f"skipped: no {' or '.join(names)} in metrics.jsonl"
-            continue
-        figure, axis = plt.subplots(figsize=(6, 3.5))
-        for name, (xs, ys) in series.items():
-            if xs:
-                axis.plot(xs, ys, marker="." if len(xs) < 30 else None, label=name)
-        axis.set_title(title)
-        if plot_name in LOG_SCALE:
-            axis.set_yscale("symlog", linthresh=1e-7)  # log scale that still shows an exact 0
-        axis.set_xlabel("optimizer step")
-        axis.grid(alpha=0.3)
-        axis.legend()
-        figure.tight_layout()
-        path = out / f"{plot_name}.png"
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        result[plot_name] = str(path)
+    plots = {**LINE_PLOTS, **_task_plots(rows)}
+    result = {name: _line_plot(rows, names, title, out / f"{name}.png", log=name in LOG_SCALE)
+              for name, (names, title) in plots.items()}
     result["lag_histogram"] = _lag_histogram(rows, out / "lag_histogram.png")
     return result
+
+
+def _task_plots(rows: list[dict]) -> dict[str, tuple[list[str], str]]:
+    """A mixture of tasks: one curve per task of its training reward and of its held-out accuracy."""
+    keys = {key for row in rows for key in row}
+    tasks = sorted({key.split("/")[1] for key in keys if key.startswith("task/") and key.endswith("/reward_mean")})
+    if not tasks:
+        return {}
+    return {"task_reward": ([f"task/{t}/reward_mean" for t in tasks], "training reward per task"),
+            "task_heldout_accuracy": ([f"eval/task/{t}/avg@k" for t in tasks], "held-out accuracy per task (%)")}
+
+
+def _line_plot(rows: list[dict], names: list[str], title: str, path: Path, *, log: bool) -> str:
+    """One plot of the named series over optimizer steps; its path, or why it was skipped."""
+    series = {name: _series(rows, name) for name in names}
+    if not any(xs for xs, _ in series.values()):
+        return f"skipped: no {' or '.join(names)} in metrics.jsonl"
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    for name, (xs, ys) in series.items():
+        if xs:
+            axis.plot(xs, ys, marker="." if len(xs) < 30 else None, label=name)
+    axis.set_title(title)
+    if log:
+        axis.set_yscale("symlog", linthresh=1e-7)  # log scale that still shows an exact 0
+    axis.set_xlabel("optimizer step")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return str(path)
 
 
 def _lag_histogram(rows: list[dict], path: Path) -> str:

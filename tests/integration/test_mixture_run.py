@@ -29,6 +29,7 @@ def test_a_mixture_trains_both_tasks_by_weight_and_reports_each(mix_run, tmp_pat
     assert all((r["task/sums/rows"], r["task/game/rows"]) == (6, 2) for r in steps)
     assert all("task/game/turns" in r and "task/sums/turns" not in r for r in steps)  # episodes only in the game
     assert {"eval/task/sums/avg@k", "eval/task/game/avg@k"} <= set(rows[0])
+    assert (run / "plots" / "task_reward.png").is_file() and (run / "plots" / "task_heldout_accuracy.png").is_file()
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     game = [s for s in samples if s["prompt_id"].startswith("game/")]
     assert all(s["reason"] in ("ok", "failed") for s in game)  # the environment's reward (env.reward=env)
