@@ -160,28 +160,26 @@ def test_a_program_that_does_not_compile_or_run_fails_every_test_once(score):
 
 
 def test_a_test_that_hangs_or_kills_its_process_fails_alone():
-    score = code_verifier(test_timeout_s=0.25, time_budget_s=3.0)
+    score = code_verifier(test_timeout_s=0.4, time_budget_s=3.0)
     hangs = "def add(a, b):\n    while a < 0:\n        pass\n    return a + b"
     for ground_truth, program in ((ADD_TESTS, hangs), (SUM_PAIRS, f"{hangs}\n{SUM.replace('a + b', 'add(a, b)')}")):
         start = time.monotonic()
         verdict = score(fenced(program), ground_truth, PROMPT)
         assert (verdict.reward, verdict.reason) == (pytest.approx(2 / 3), "failed: test 2: timeout"), ground_truth
-        assert time.monotonic() - start < 0.25 + 1.0  # one test's deadline, then the others at once
+        assert time.monotonic() - start < 0.4 + 1.0  # one test's deadline, then the others at once
     killed = score(fenced("import os\ndef add(a, b):\n    if a < 0:\n        os.kill(os.getpid(), 9)\n    return a + b"),
                    ADD_TESTS, PROMPT)
     assert (killed.reward, killed.reason) == (pytest.approx(2 / 3), "failed: test 2: killed by SIGKILL")
 
 
 def test_tests_past_the_time_budget_fail_naming_it(score):
-    submit = _spying(code_verifier(test_timeout_s=0.2, time_budget_s=0.5))
+    submit = _spying(code_verifier(test_timeout_s=0.3, time_budget_s=0.5))
     hangs = json.dumps(["while True:\n    pass"] * 4 + ["assert True"])
     verdict, results, seconds = submit("pass", hangs)
     assert seconds < 0.5 + 0.5
-    assert verdict.reason == "failed: test 1: timeout"
-    assert verdict.reward == 0.0  # the last test, which would pass, was never reached
-    assert [r.why for r in results[:2]] == ["timeout", "timeout"]
-    assert results[-1].why == "not run (the time budget of 0.5 s ran out)"
-    assert any(r.why == "timeout (the time budget of 0.5 s ran out)" for r in results), results
+    assert (verdict.reward, verdict.reason) == (0.0, "failed: test 1: timeout")  # the last test was never reached
+    assert [r.why for r in results] == ["timeout", "timeout (the time budget of 0.5 s ran out)",
+                                        *["not run (the time budget of 0.5 s ran out)"] * 3]
 
 
 # ---- options and the paths to it --------------------------------------------------------------------------------
@@ -353,6 +351,14 @@ def test_deep_recursion_is_contained(hostile):
         "failed: program: RecursionError: maximum recursion depth exceeded"
     verdict, _, seconds = hostile(attacks.UNBOUNDED_RECURSION, ADD_TESTS)
     assert verdict.reason.startswith("failed: program: ") and seconds < 0.3 + 1.0
+
+
+def test_a_dead_sandbox_worker_is_replaced(hostile):
+    sandbox = code_module.shared_sandbox(code_module.sandbox_limits(3.0, 512), "bwrap", False)
+    first = sandbox._worker.process.pid
+    sandbox._worker.kill()
+    assert hostile(attacks.SELF_SIGSEGV, ADD_TESTS)[0].reason == "failed: program: killed by SIGSEGV"
+    assert sandbox._worker.process.pid != first
 
 
 def test_signals_name_the_ending(hostile):
