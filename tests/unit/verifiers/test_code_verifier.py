@@ -387,3 +387,21 @@ def test_where_bubblewrap_is_missing_unshare_contains_the_same(tmp_path):
     assert not (tmp_path / "escaped").exists()
     _, results, _ = submit(attacks.SLEEPING_FORKS)
     assert int(results[0].output) == 16 - 2
+
+
+def test_attacks_on_the_harness_itself_fail_the_response(hostile):
+    # SIGINT to its parent: the harness ignores it and the tests run (the program defines no add: they fail)
+    interrupt = "import os, signal\nos.kill(os.getppid(), signal.SIGINT)"
+    assert hostile(interrupt, ADD_TESTS)[0].reason == "failed: test 1: NameError: name 'add' is not defined"
+    # passes claimed on the report pipe before the tests ran are not heard
+    forged = "import os\nfor i in range(3):\n    os.write(3, ('{\"done\": %d, \"ok\": true}\\n' % i).encode())\nos._exit(0)"
+    assert hostile(forged, ADD_TESTS)[0].reason == "failed: program: exited before the tests ran (exit code 0)"
+
+
+@needs_bwrap
+@pytest.mark.slow  # runs to its time budget
+def test_a_program_that_stops_its_harness_is_ended_by_the_time_budget():
+    submit = _spying(code_verifier(isolation="bwrap", test_timeout_s=0.5, time_budget_s=1.0))
+    verdict, _, seconds = submit("import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)", ADD_TESTS)
+    assert verdict.reason == "failed: test 1: the call ended (timeout)"
+    assert seconds < 1.0 + code_module.WALL_SLACK_S + 1.0
