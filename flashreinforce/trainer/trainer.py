@@ -200,7 +200,8 @@ class Trainer:
         tally = _Tally.merged(self.shard.gather(tally))
         grad_norm, lr = self._optimizer_step()
         metrics = {"optim/grad_norm": grad_norm, "optim/lr": lr, **_batch_metrics(batch, trajectories, targets),
-                   **tally.metrics(targets.norm.num_tokens), "time/train_seconds": time.perf_counter() - started}
+                   **tally.metrics(targets.norm.num_tokens), "time/train_seconds": time.perf_counter() - started,
+                   **tally.task_metrics(list(dict.fromkeys(t.prompt.task for t in trajectories)))}
         if self.wpsm is not None:
             metrics["wpsm/flagged_fraction"] = tally.wpsm_flagged / batch.num_rows
         metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
@@ -423,6 +424,8 @@ class _Tally:
     """(rows x width) actually fed to the model."""
     real_cells: int = 0
     mismatch: MismatchTally = field(default_factory=MismatchTally)
+    task_rows: list[torch.Tensor] = field(default_factory=list)
+    """(b, 5) per row: task id, entropy sum, loss tokens, k3 sum, admitted by the sequence gate (1 without one)."""
 
     def add(self, micro: TrainBatch, loss: torch.Tensor, stats: Mapping[str, torch.Tensor], logprobs: torch.Tensor,
             entropies: torch.Tensor) -> None:
@@ -436,10 +439,16 @@ class _Tally:
                 self.per_row.setdefault(name, []).append(value.detach().float().cpu())
         mask = micro.loss_mask
         gap = (logprobs - micro.behavior_logprobs).masked_fill(~mask, 0.0)
-        self.entropy += float(entropies.masked_fill(~mask, 0.0).sum())
+        row_entropy = entropies.masked_fill(~mask, 0.0).sum(-1)
+        self.entropy += float(row_entropy.sum())
         self.abs_mismatch += float(gap.abs().sum())
         # k3 estimator of KL(behavior || policy) per token: exp(d) - d - 1 with d = log pi - log mu
-        self.k3_mismatch += float((torch.expm1(gap) - gap).sum())
+        row_k3 = (torch.expm1(gap) - gap).sum(-1)
+        self.k3_mismatch += float(row_k3.sum())
+        if micro.task_ids is not None:
+            admitted = stats.get("admitted", torch.ones_like(row_k3)).detach().to(row_k3.dtype)
+            self.task_rows.append(torch.stack([micro.task_ids.to(row_k3), row_entropy, mask.sum(-1).to(row_k3),
+                                               row_k3, admitted], dim=1).double().cpu())
 
     @classmethod
     def merged(cls, tallies: Sequence[_Tally]) -> _Tally:
@@ -453,6 +462,7 @@ class _Tally:
                 setattr(total, name, getattr(total, name) + getattr(tally, name))
             for name, chunks in tally.per_row.items():
                 total.per_row.setdefault(name, []).extend(chunks)
+            total.task_rows.extend(tally.task_rows)
             for name, value in tally.scalars.items():
                 total.scalars[name] = total.scalars.get(name, 0.0) + value
         return total
@@ -465,6 +475,19 @@ class _Tally:
         for name, chunks in self.per_row.items():
             metrics[f"loss/{name}"] = float(torch.cat(chunks).mean())
         metrics.update({f"loss/{name}": value for name, value in self.scalars.items()})
+        return metrics
+
+    def task_metrics(self, task_names: Sequence[str]) -> dict[str, float]:
+        """A mixture's entropy, behavior-policy KL (k3) per token and gate rejections, per task."""
+        if len(task_names) < 2 or not self.task_rows:
+            return {}
+        rows, metrics = torch.cat(self.task_rows), {}
+        for index, name in enumerate(task_names):
+            own = rows[rows[:, 0] == index]
+            tokens = max(float(own[:, 2].sum()), 1.0)
+            metrics.update({f"task/{name}/entropy_mean": float(own[:, 1].sum()) / tokens,
+                            f"task/{name}/mismatch_k3_kl": float(own[:, 3].sum()) / tokens,
+                            f"task/{name}/gate_rejected_fraction": float(1 - own[:, 4].mean()) if len(own) else 0.0})
         return metrics
 
 

@@ -147,6 +147,9 @@ def test_the_task_baseline_trains_each_task_against_its_own_mean_and_microbatche
     assert torch.allclose(targets.advantages, expected) and targets.norm.per_row_baselines
     metrics = trainer.step(rows)
     assert metrics["advantage/single_row_tasks"] == 0
+    # the trainer's own figures per task too: entropy, behavior-policy KL, gate rejections (delta=inf: none)
+    assert all(metrics[f"task/{t}/entropy_mean"] > 0 and metrics[f"task/{t}/gate_rejected_fraction"] == 0
+               and metrics[f"task/{t}/mismatch_k3_kl"] < 1e-6 for t in ("a", "b"))
     other = _trainer(split, "flashreinforce", microbatch_size=3)
     other.loss_options, other.advantage_options = trainer.loss_options, {"baseline": "task"}
     other.step(rows)
