@@ -4,13 +4,16 @@ One token per character of the alphabet, plus whole-word special tokens (`<think
 It is built with the `tokenizers` library and wrapped as a fast tokenizer, so `save_pretrained`
 writes a tokenizer.json that `PreTrainedTokenizerFast.from_pretrained(dir)` reads with no custom code (beside a
 model's config.json, transformers 5's AutoTokenizer picks the model type's tokenizer class instead: see
-run/policy.py load_tokenizer):
+load_tokenizer):
 runs and checkpoints stay self-contained.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -64,3 +67,16 @@ def build_char_tokenizer(
         unk_token=unk_token,
         padding_side="right",
     )
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The directory's tokenizer. A plain tokenizer.json one (our character tokenizers) loads as itself:
+    transformers 5's AutoTokenizer would pick the model type's class (Qwen2Tokenizer beside a qwen2
+    config.json), whose byte-level pre-tokenizer drops spaces and newlines from such a vocabulary."""
+    from transformers import AutoTokenizer
+
+    config_file = Path(path) / "tokenizer_config.json"
+    tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

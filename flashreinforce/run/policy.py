@@ -3,7 +3,6 @@ by SFT (cached in the run directory, so a resumed run does not redo it)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -17,6 +16,7 @@ import torch
 from flashreinforce.config import RunConfig
 from flashreinforce.metrics.console import Reporter
 from flashreinforce.models import build_char_tokenizer, build_model, load_model
+from flashreinforce.models.tokenizer import load_tokenizer
 from flashreinforce.models.causal_lm import check_model_dir
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.run.data import Data
@@ -64,19 +64,6 @@ def side_numerics(config: RunConfig, side: str) -> Numerics:
     precision = config.precision
     return Numerics(precision=getattr(precision, side), unified=precision.mode == "unified",
                     fp8_scaling=precision.fp8_scaling, fp8_block=precision.fp8_block)
-
-
-def load_tokenizer(path: Path) -> Any:
-    """The directory's tokenizer. A plain tokenizer.json one (our character tokenizers) loads as itself:
-    transformers 5's AutoTokenizer would pick the model type's class (Qwen2Tokenizer beside a qwen2
-    config.json), whose byte-level pre-tokenizer drops spaces and newlines from such a vocabulary."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    config_file = Path(path) / "tokenizer_config.json"
-    tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-    if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporter) -> Policy:

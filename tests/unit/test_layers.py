@@ -18,7 +18,9 @@ RANK = {
 # Siblings that must not see each other even though their ranks would allow it.
 FORBIDDEN = {("buffer", "verifiers"), ("buffer", "envs"), ("buffer", "data"), ("buffer", "rollout"),
              ("buffer", "models"), ("buffer", "algorithms"), ("verifiers", "envs"), ("verifiers", "rollout"),
-             ("verifiers", "models"), ("data", "verifiers")}
+             ("data", "verifiers")}
+# verifiers may use models (a reward model loads like any model), but only where a verifier is built:
+# test_light_imports keeps the pool, its workers and the registry free of torch.
 
 
 def _modules():
@@ -62,9 +64,11 @@ def test_optional_packages_stay_in_their_corner(path, layer):
 
 
 def test_light_imports_stay_light():
-    """`import flashreinforce` and the plotting module pull in no torch."""
+    """`import flashreinforce`, the plotting module and a math verifier's worker pull in no torch."""
     code = ("import sys, flashreinforce, flashreinforce.metrics.plots, flashreinforce.types, "
-            "flashreinforce.config; assert 'torch' not in sys.modules, 'torch was imported'")
+            "flashreinforce.config, flashreinforce.verifiers.worker, flashreinforce.verifiers.pool; "
+            "from flashreinforce.verifiers.rewards import load_reward_fn; load_reward_fn('math'); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -51,7 +51,7 @@ def test_the_engine_context_is_the_longest_prompt_plus_the_budget_and_the_model_
 def test_a_saved_character_tokenizer_keeps_spaces_and_newlines_beside_a_qwen2_config(tmp_path):
     # transformers 5's AutoTokenizer loads Qwen2Tokenizer next to a qwen2 config.json and drops " " and "\n"
     from flashreinforce.models import build_char_tokenizer, build_model
-    from flashreinforce.run.policy import load_tokenizer
+    from flashreinforce.models.tokenizer import load_tokenizer
 
     tokenizer = build_char_tokenizer("ab \n")
     build_model(len(tokenizer), 16, 1, 2, 32, pad_token_id=0, eos_token_id=1, dtype="float32",

@@ -1,0 +1,58 @@
+"""The `reward_model` verifier: a sequence-classification model built from a config here (no hub), scoring
+(prompt, response) through its chat template, squashed or raw; a path that is no reward model is refused."""
+
+import math
+
+import pytest
+import torch
+
+from flashreinforce.types import Prompt
+from flashreinforce.verifiers.registry import build_verifier, parse_spec, spec_ref
+from flashreinforce.verifiers.rewards import load_reward_fn
+
+PROMPT = Prompt(id="p", prompt=({"role": "user", "content": "What is 2+3?"},), ground_truth="5")
+
+
+@pytest.fixture
+def reward_model_dir(chat_tokenizer, tmp_path):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    config = Qwen2Config(vocab_size=len(chat_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=chat_tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    chat_tokenizer.save_pretrained(tmp_path / "rm")
+    return tmp_path / "rm"
+
+
+def test_the_reward_is_the_models_score_of_the_templated_conversation(reward_model_dir, chat_tokenizer):
+    from transformers import AutoModelForSequenceClassification
+
+    raw = build_verifier({"kind": "reward_model", "path": str(reward_model_dir), "squash": "none"})
+    squashed = build_verifier({"kind": "reward_model", "path": str(reward_model_dir), "shift": 0.5, "scale": 2.0})
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    for response in ("The answer is 5.", "Alla breve is a meter."):
+        ids = chat_tokenizer.apply_chat_template([*PROMPT.prompt, {"role": "assistant", "content": response}],
+                                                 tokenize=True, return_dict=False)
+        with torch.no_grad():
+            expected = float(model(input_ids=torch.tensor([list(ids)])).logits[0, 0])
+        assert raw(response, "5", PROMPT).reward == pytest.approx(expected, abs=1e-5)
+        verdict = squashed(response, "5", PROMPT)
+        assert verdict.reward == pytest.approx(1 / (1 + math.exp(-(expected - 0.5) / 2.0)), abs=1e-5)
+        assert verdict.passed == (verdict.reward > 0.5)
+    assert raw("a", "5", PROMPT).reward != raw("b b b b", "5", PROMPT).reward  # the response matters
+
+
+def test_a_spec_reaches_the_pools_workers_and_bad_paths_or_options_are_named(reward_model_dir, save_chat_model):
+    ref = spec_ref(parse_spec({"kind": "reward_model", "path": str(reward_model_dir)}))
+    assert 0.0 < load_reward_fn(ref)("The answer is 5.", "5", PROMPT).reward < 1.0
+    causal = save_chat_model(32, 1)
+    with pytest.raises(ValueError, match=r"reward_model: path=.* holds \['Qwen2ForCausalLM'\], not a sequence-"):
+        build_verifier({"kind": "reward_model", "path": str(causal)})
+    with pytest.raises(ValueError, match=r"is not a model directory \(no config.json\)"):
+        build_verifier({"kind": "reward_model", "path": str(reward_model_dir / "nothing")})
+    with pytest.raises(ValueError, match=r"reward_model: squash='tanh' is not one of"):
+        build_verifier({"kind": "reward_model", "path": str(reward_model_dir), "squash": "tanh"})
+    with pytest.raises(ValueError, match=r"label=3: the model at .* has 1 label"):
+        build_verifier({"kind": "reward_model", "path": str(reward_model_dir), "label": 3})
