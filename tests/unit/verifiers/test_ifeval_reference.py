@@ -21,7 +21,7 @@ from flashreinforce.verifiers.ifeval import (
     ifeval_verifier,
 )
 
-pytestmark = [pytest.mark.ifeval_ref, pytest.mark.ifeval, pytest.mark.slow]  # ~10 s: 2,400 cases, both modes
+pytestmark = [pytest.mark.ifeval_ref, pytest.mark.ifeval, pytest.mark.slow]  # ~10 s: 2,600 cases, both modes
 
 PROMPT = Prompt(id="p", prompt="", ground_truth="", data_source="ifeval")
 
