@@ -64,7 +64,8 @@ def _eval(args: argparse.Namespace) -> None:
 
     evaluate_checkpoint(EvalRequest(args.checkpoint, data=args.data, recipe=args.recipe, k=args.k,
                                     num_prompts=args.num_prompts, temperature=args.temperature, top_p=args.top_p,
-                                    max_new_tokens=args.max_new_tokens, seed=args.seed, json_path=args.json))
+                                    max_new_tokens=args.max_new_tokens, seed=args.seed, json_path=args.json,
+                                    task=args.task))
 
 
 def _plot(args: argparse.Namespace) -> None:
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-new-tokens", type=int, default=None)
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--json", type=Path, help="also write the report as JSON")
+    evaluate.add_argument("--task", help="a run of several tasks: the task --data's rows belong to")
     evaluate.set_defaults(run=_eval)
 
     plot = commands.add_parser("plot", help="(re)draw a run's plots from its metrics.jsonl")

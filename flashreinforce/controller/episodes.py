@@ -149,11 +149,11 @@ class EpisodeBackend:
     def start(self, request_id: str, prompt: Prompt, params: SamplingParams, hint_ids: Sequence[int] = (),
               prefix: Generation | None = None) -> None:
         """Begin an episode, or continue `prefix` (a partial of it, from a pause, an abort or a checkpoint)."""
-        self._prompts[request_id], self._params[request_id] = prompt, params
-        self._wake.set()  # a finished() waiting with nothing in the engine must see the new work
         if prompt.task not in self.tasks:
             raise KeyError(f"prompt {prompt.id} is of task {prompt.task!r}, which this backend does not run "
                            f"(its tasks: {sorted(self.tasks)})")
+        self._prompts[request_id], self._params[request_id] = prompt, params
+        self._wake.set()  # a finished() waiting with nothing in the engine must see the new work
         if prefix is not None:
             self._continue(prefix)
         elif not self.tasks[prompt.task].multi_turn:

@@ -164,6 +164,8 @@ def engine_shape(config: RunConfig, episodes: TextEpisodes, data: Data, context:
     shapes = []
     for name, _ in config.task_list():
         task_data = Data(*data.by_task[name], skipped_rows=0) if data.by_task else data
+        if not (task_data.train or task_data.eval):  # an evaluation of some of the tasks only
+            continue
         task_config = config.for_task(name)
         room = longest_prompt(task_config, episodes, task_data, context)
         setting = f"task {name}: {room.setting}" if name else room.setting

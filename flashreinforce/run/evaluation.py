@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashreinforce.config import config_from_tree, load_config
+from flashreinforce.config import RunConfig, config_from_tree, load_config
 from flashreinforce.controller.local import LocalBackend
 from flashreinforce.data.loaders import load_prompts
 from flashreinforce.eval.evaluate import evaluate
@@ -18,9 +18,9 @@ from flashreinforce.run.backends import (
     build_episodes,
     build_verifier_pool,
 )
-from flashreinforce.run.data import load_data
+from flashreinforce.run.data import Data, load_data, tagged
 from flashreinforce.run.directory import read_run_config
-from flashreinforce.run.engines import EngineShape, build_engine, model_context, prompt_room
+from flashreinforce.run.engines import build_engine, engine_shape, model_context
 from flashreinforce.run.policy import load_policy
 from flashreinforce.trainer.checkpoint import latest_checkpoint
 from flashreinforce.types import SamplingParams
@@ -41,6 +41,8 @@ class EvalRequest:
     max_new_tokens: int | None = None
     seed: int = 0
     json_path: Path | None = None
+    task: str | None = None
+    """The task of a run of several tasks that `data`'s rows belong to (scored and sampled as that task)."""
 
 
 def resolve_model_dir(path: Path) -> tuple[Path, Path | None]:
@@ -68,16 +70,16 @@ def evaluate_checkpoint(request: EvalRequest) -> dict:
         raise ValueError(f"cannot evaluate {model_dir}: {problem[0].name} {problem[1]}; restore it from a backup, "
                          "or evaluate an older checkpoint (pass its checkpoints/step_* directory)")
     config = config_from_tree(read_run_config(run_dir)) if run_dir is not None else load_config(request.recipe)
-    prompts = load_prompts(request.data).prompts if request.data is not None else load_data(config).eval
-    prompts = prompts[: request.num_prompts or config.eval.num_prompts]
-    params = SamplingParams(max_new_tokens=request.max_new_tokens or config.rollout.max_new_tokens,
-                            temperature=request.temperature, top_p=request.top_p,
-                            stop_strings=tuple(config.env.stop_strings))
+    config = with_budget(config, request.max_new_tokens)
+    data = eval_data(config, request)
+    params = {name: SamplingParams(max_new_tokens=task.rollout.max_new_tokens, temperature=request.temperature,
+                                   top_p=request.top_p, stop_strings=tuple(task.env.stop_strings))
+              for name, task in ((name, config.for_task(name)) for name, _ in config.task_list())}
     policy = load_policy(model_dir)
     episodes = build_episodes(config, policy.tokenizer)
-    room = prompt_room(config, episodes, prompts, model_context(policy.model))
-    shape = EngineShape.of(room, params.max_new_tokens, version=0, seed=request.seed)
+    shape = engine_shape(config, episodes, data, model_context(policy.model), version=0, seed=request.seed)
     engine = build_engine(config, policy, shape)
+    prompts = data.eval
 
     async def run() -> dict:
         with build_verifier_pool(config) as pool:
@@ -87,17 +89,47 @@ def evaluate_checkpoint(request: EvalRequest) -> dict:
             try:
                 if env_pool is not None:
                     await env_pool.start()
-                report = await evaluate(backend, episodes, prompts, k=request.k, params=params, seed=request.seed,
-                                        greedy=config.eval.greedy)
+                report = await evaluate(backend, episodes, prompts, k=request.k, params=next(iter(params.values())),
+                                        seed=request.seed, greedy=config.eval.greedy, task_params=params)
             finally:
                 await backend.close()
                 if env_pool is not None:
                     await env_pool.aclose()
         print(f"{model_dir}: {report.describe()}")
         return {"model": str(model_dir), **report.metrics(), "k": request.k, "num_prompts": len(prompts),
-                "temperature": request.temperature, "top_p": request.top_p, "max_new_tokens": params.max_new_tokens}
+                "temperature": request.temperature, "top_p": request.top_p,
+                "max_new_tokens": max(p.max_new_tokens for p in params.values())}
 
     result = asyncio.run(run())
     if request.json_path is not None:
         request.json_path.write_text(json.dumps(result, indent=2))
     return result
+
+
+def with_budget(config: RunConfig, max_new_tokens: int | None) -> RunConfig:
+    """The config with every task's response budget set to `max_new_tokens` (None: as the config has them)."""
+    if max_new_tokens is None:
+        return config
+    rollout = config.rollout.model_copy(update={"max_new_tokens": max_new_tokens})
+    tasks = {name: task.model_copy(update={"rollout": task.rollout.model_copy(update={"max_new_tokens": max_new_tokens})})
+             for name, task in (config.tasks or {}).items()} or None
+    return config.model_copy(update={"rollout": rollout, "tasks": tasks})
+
+
+def eval_data(config: RunConfig, request: EvalRequest) -> Data:
+    """The prompts to score: the first num_prompts of the run's held-out set (of each task's, in a mixture), or of
+    request.data's file, whose rows, in a mixture, belong to request.task."""
+    count = request.num_prompts or config.eval.num_prompts
+    if request.data is None:
+        data = load_data(config)
+        by_task = {name: ([], held_out[:count]) for name, (_, held_out) in data.by_task.items()}
+        return Data([], [p for _, held_out in by_task.values() for p in held_out] or data.eval[:count], 0, by_task)
+    prompts = load_prompts(request.data).prompts[:count]
+    if config.tasks is None:
+        return Data([], prompts, 0)
+    if request.task not in config.tasks:
+        raise ValueError(f"--data with a run of several tasks: name the task its rows belong to with --task (one "
+                         f"of {', '.join(config.tasks)}); got {request.task!r}")
+    task = config.tasks[request.task]
+    prompts = [tagged(p, task=request.task, modality=task.modality) for p in prompts]
+    return Data([], prompts, 0, {name: ([], prompts if name == request.task else []) for name in config.tasks})

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from flashreinforce.cli import main
 from flashreinforce.config import load_config
 from flashreinforce.run import run_training
 from flashreinforce.trainer.checkpoint import latest_checkpoint, load_states
@@ -33,3 +34,14 @@ def test_a_mixture_trains_both_tasks_by_weight_and_reports_each(mix_run, tmp_pat
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     game = [s for s in samples if s["prompt_id"].startswith("game/")]
     assert all(s["reason"] in ("ok", "failed") for s in game)  # the environment's reward (env.reward=env)
+
+    # `flashreinforce eval` scores each task's held-out prompts its own way; a file's rows need their task named
+    main(["eval", str(run), "--k", "1", "--num-prompts", "2", "--json", str(tmp_path / "eval.json")])
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["num_prompts"] == 4 and {"eval/task/sums/avg@k", "eval/task/game/avg@k"} <= set(report)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "12+5=", "reward_model": {"ground_truth": "17"}}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["eval", str(run), "--data", str(rows)])
+    main(["eval", str(run), "--data", str(rows), "--task", "sums", "--k", "1", "--json", str(tmp_path / "file.json")])
+    assert json.loads((tmp_path / "file.json").read_text())["num_prompts"] == 1
