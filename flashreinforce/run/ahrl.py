@@ -47,7 +47,8 @@ async def initial_pass_rates(config: RunConfig, run_dir: Path, backend: Backend,
         raise ValueError("algo.hints is set but no training prompt has a reference think (extra_info.reference_think)")
     with reporter.status(f"AHRL: pass@{hints.k} of the warm start on {len(candidates)} training prompts"):
         report = await evaluate(backend, episodes, candidates, k=hints.samples, params=rollout_params(config),
-                                seed=config.seed + 1)
+                                seed=config.seed + 1,
+                                task_params={name: rollout_params(config.for_task(name)) for name in config.tasks or {}})
     rates = {pid: pass_at_k(hints.samples, correct, hints.k) for pid, correct in report.correct.items()}
     write_json_atomic(path, rates)
     return rates
