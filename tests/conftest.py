@@ -81,24 +81,11 @@ MIX_RUN = [
     " game: {weight: 1, data: {kind: text_game, text_game: {num_train: 100, num_eval: 8, rooms: 3, distractors: 0}},"
     " env: {kind: text_game, options: {max_steps: 4}, max_turns: 4, reward: env, stop_strings: [\"\\n\"],"
     " max_prompt_tokens: 112, max_workers: 1}, rollout: {max_new_tokens: 160}}}",
-    "model.tiny.hidden_size=32",
-    "model.tiny.num_layers=1",
-    "model.tiny.num_heads=2",
+    *(o for o in TINY_RUN if not o.startswith(("data.", "eval.", "log.tensorboard"))),
     "model.tiny.max_position_embeddings=320",
-    "sft.steps=20",
-    "sft.batch_size=16",
-    "rollout.max_batch_size=16",
-    "rollout.max_new_tokens=40",
-    "scheduler.batch_groups=8",
-    "trainer.steps=3",
-    "trainer.microbatch_size=8",
-    "trainer.checkpoint_every=1",
     "eval.num_prompts=4",
     "eval.k=1",
-    "log.progress=false",
     "log.tensorboard=false",
-    "verifier.min_workers=1",
-    "verifier.max_workers=1",
 ]
 """A mixture of two tasks: arithmetic (single-turn, the math verifier) and the text game (an environment and its
 reward), 3:1, small enough for a test."""

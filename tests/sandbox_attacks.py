@@ -7,7 +7,15 @@ Each is what a model could write; the comment says what it would do if the isola
 
 from __future__ import annotations
 
+import shutil
 import signal
+
+import pytest
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="bwrap is not installed (apt-get install bubblewrap)")
+needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None,
+                                   reason="unshare is not installed (apt-get install util-linux)")
 
 INFINITE_LOOP = "print('started', flush=True)\nwhile True:\n    pass"
 """Runs forever: the wall clock must stop it (what it printed before is kept)."""

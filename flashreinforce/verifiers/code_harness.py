@@ -197,6 +197,7 @@ def _assert_child(payload: dict, first: int) -> None:
 # -- in the harness: one child -----------------------------------------------------------------------------------
 
 def _descendants(pid: str = "self") -> list:
+    # sandbox/worker.py walks the same way: this file runs alone in the sandbox and imports nothing of ours
     found = []
     for task in os.listdir(f"/proc/{pid}/task"):
         try:

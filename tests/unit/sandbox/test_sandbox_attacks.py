@@ -6,7 +6,6 @@ Every test states what the attack would do if the isolation failed, so that a br
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -33,6 +32,7 @@ from sandbox_attacks import (
     UNBOUNDED_RECURSION,
     connect_loopback,
     kill_parents,
+    needs_bwrap,
     read_secrets,
     write_outside,
 )
@@ -41,8 +41,6 @@ import flashreinforce.sandbox.sandbox as sandbox_module
 from flashreinforce.sandbox import Sandbox, SandboxLimits
 from flashreinforce.sandbox.sandbox import SLACK_S
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bwrap is not installed (apt-get install bubblewrap)")
 
 
 def test_a_normal_call_returns_its_output_interleaved_and_exit_code_0(bwrap_sandbox):

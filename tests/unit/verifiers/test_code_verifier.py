@@ -13,6 +13,7 @@ import time
 
 import pytest
 import sandbox_attacks as attacks
+from sandbox_attacks import needs_bwrap, needs_unshare
 
 from flashreinforce.sandbox import probe_isolation
 from flashreinforce.types import Prompt
@@ -27,10 +28,6 @@ from flashreinforce.verifiers.pool import VerifierPool
 from flashreinforce.verifiers.registry import parse_spec, spec_ref
 from flashreinforce.verifiers.rewards import load_reward_fn
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bwrap is not installed (apt-get install bubblewrap)")
-needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None,
-                                   reason="unshare is not installed (apt-get install util-linux)")
 
 PROMPT = Prompt(id="p", prompt="Write add(a, b).", ground_truth="")
 ADD_TESTS = json.dumps(["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"])
