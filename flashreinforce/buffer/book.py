@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import compress
-from collections.abc import Callable
 
 from flashreinforce.buffer.ledger import Ledger
 from flashreinforce.types import Generation, Prompt, RolloutKey, Trajectory
@@ -63,6 +64,42 @@ class Group:
         return [self.finished[key] for key in self.keys if key in self.finished]
 
 
+@dataclass
+class FilterCounts:
+    """Complete groups the group filter (DAPO dynamic sampling) kept and dropped over the run, by task ("" in a
+    run without tasks). Checkpointed with the book, like the ledger's counts."""
+
+    kept: Counter[str] = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)
+
+    def add(self, task: str, kept: bool) -> None:
+        (self.kept if kept else self.dropped)[task] += 1
+
+    def state_dict(self) -> dict:
+        return {"kept": dict(self.kept), "dropped": dict(self.dropped)}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> FilterCounts:
+        """None (a checkpoint written before these counts were kept): they start again from 0."""
+        state = state or {}
+        return cls(Counter(state.get("kept", {})), Counter(state.get("dropped", {})))
+
+
+def filter_metrics(kept: Mapping[str, int], dropped: Mapping[str, int]) -> dict[str, float]:
+    """dynamic_sampling/{kept,dropped}_groups, and per task of a mixture task/<name>/dynamic_sampling/...: every
+    task that has had a group judged, with 0 for an outcome it never had. {} before any group is judged (or
+    without a filter); a run without tasks gets the totals only, as its one task is all of them."""
+    tasks = sorted(set(kept) | set(dropped))
+    if not tasks:
+        return {}
+    metrics = {"dynamic_sampling/kept_groups": sum(kept.values()),
+               "dynamic_sampling/dropped_groups": sum(dropped.values())}
+    for task in filter(None, tasks):
+        metrics[f"task/{task}/dynamic_sampling/kept_groups"] = kept.get(task, 0)
+        metrics[f"task/{task}/dynamic_sampling/dropped_groups"] = dropped.get(task, 0)
+    return metrics
+
+
 class GroupBook:
     """Open groups, waiting and in-flight rollouts, and the ledger marks that go with moving between them."""
 
@@ -81,6 +118,7 @@ class GroupBook:
         self._next_sample: dict[str, int] = {}  # prompt_id -> first unused sample (epochs, re-queues)
         self.resumed = 0
         """Parked rollouts handed out again, over the run."""
+        self.filter_counts = FilterCounts()
 
     # -- opening groups and admitting rollouts ---------------------------------------------------------
 
@@ -191,9 +229,13 @@ class GroupBook:
         the group has, so it goes like a filtered group. Then the optional filter (DAPO dynamic sampling).
         """
         reason = untrainable(group.trajectories())
-        if reason is None and (group_filter is None or group_filter(group.trajectories())):
+        if reason is None and group_filter is not None:
+            kept = group_filter(group.trajectories())
+            self.filter_counts.add(group.prompt.task, kept)
+            reason = None if kept else "filtered"
+        if reason is None:
             return True
-        self.retire(group, reason or "filtered")
+        self.retire(group, reason)
         return False
 
     # -- queries ---------------------------------------------------------------------------------------
@@ -222,7 +264,8 @@ class GroupBook:
         return {"buffer/in_flight": len(self.in_flight), "buffer/waiting": self.num_waiting,
                 "buffer/parked": self.num_parked, "buffer/open_groups": len(self.groups),
                 "buffer/cursor": self.cursor, "buffer/resumed": self.resumed,
-                **{f"buffer/{name.replace('/', '_')}": n for name, n in ledger.items()}}
+                **{f"buffer/{name.replace('/', '_')}": n for name, n in ledger.items()},
+                **filter_metrics(self.filter_counts.kept, self.filter_counts.dropped)}
 
     # -- checkpoint ------------------------------------------------------------------------------------
 
@@ -232,12 +275,14 @@ class GroupBook:
                 "groups": [group_state(g) for g in self.groups.values()],
                 "in_flight": [[t.key.prompt_id, t.key.sample, t.group, t.admitted_version, t.partial]
                               for t in self.in_flight.values()],
-                "cancelling": sorted([k.prompt_id, k.sample] for k in self.cancelling)}
+                "cancelling": sorted([k.prompt_id, k.sample] for k in self.cancelling),
+                "filter_counts": self.filter_counts.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = state["cursor"]
         self._next_sample = dict(state["next_sample"])
         self.resumed = state["resumed"]
+        self.filter_counts = FilterCounts.from_state(state.get("filter_counts"))
         self.groups = {}
         for entry in state["groups"]:
             group = group_from_state(entry, self.prompt_at)

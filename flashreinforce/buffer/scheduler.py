@@ -58,7 +58,8 @@ class Scheduler(Protocol):
 
     def stats(self) -> dict[str, float]:
         """Flat metrics under buffer/: in_flight, waiting, ready_groups, scheduled, trained, dropped_<reason>,
-        lag_mean and lag_max of the last batch, and kind-specific ones."""
+        lag_mean and lag_max of the last batch, and kind-specific ones; with a group filter the groups it kept and
+        dropped (dynamic_sampling/..., per task of a mixture)."""
 
     def state_dict(self) -> dict: ...
 

@@ -20,7 +20,7 @@ import torch
 from flashreinforce.algorithms import LOSSES, GlobalNorm, LossInputs
 from flashreinforce.algorithms.advantages import single_row_tasks
 from flashreinforce.algorithms.dapo import overlong_penalty
-from flashreinforce.algorithms.wpsm import mean_token_entropy, wpsm_flags, wpsm_weights
+from flashreinforce.algorithms.wpsm import mean_token_entropy, within_tasks, wpsm_flags, wpsm_weights
 from flashreinforce.models.logprobs import token_logprobs
 from flashreinforce.models.moe import RouteRecorder, RouteReplay, route_shape, set_mismatch
 from flashreinforce.models.numerics import Numerics
@@ -201,7 +201,8 @@ class Trainer:
         grad_norm, lr = self._optimizer_step()
         metrics = {"optim/grad_norm": grad_norm, "optim/lr": lr, **_batch_metrics(batch, trajectories, targets),
                    **tally.metrics(targets.norm.num_tokens), "time/train_seconds": time.perf_counter() - started,
-                   **tally.task_metrics(list(dict.fromkeys(t.prompt.task for t in trajectories)))}
+                   **tally.task_metrics(list(dict.fromkeys(t.prompt.task for t in trajectories)),
+                                        wpsm=self.wpsm is not None)}
         if self.wpsm is not None:
             metrics["wpsm/flagged_fraction"] = tally.wpsm_flagged / batch.num_rows
         metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
@@ -219,32 +220,47 @@ class Trainer:
             # The generated length, not the trained one: april's mask_offpolicy un-trains a resumed row's prefix.
             rewards = rewards + overlong_penalty(batch.response_lengths, max_length=self.overlong.max_length,
                                                  cache_length=self.overlong.cache)
-        advantages = self.spec.advantages(rewards, batch.group_ids, batch.loss_mask.sum(dim=1),
-                                          task_ids=batch.task_ids, **self.advantage_options)  # (B,)
+        token_counts = batch.loss_mask.sum(dim=1)
+        advantages = self.spec.advantages(rewards, batch.group_ids, token_counts, task_ids=batch.task_ids,
+                                          **self.advantage_options)  # (B,)
         norm = GlobalNorm(num_sequences=batch.num_rows, num_tokens=int(batch.loss_mask.sum()),
                           reward_mean=float(rewards.mean()), max_new_tokens=self.max_new_tokens,
                           per_row_baselines=self.advantage_options.get("baseline") == "task")
-        group_accuracy = _group_accuracy(batch) if self.wpsm is not None else None
-        return _Targets(rewards, advantages, norm, group_accuracy)
+        if self.wpsm is None:
+            return _Targets(rewards, advantages, norm, None, None)
+        return _Targets(rewards, advantages, norm, _group_accuracy(batch),
+                        self._advantages_within_tasks(batch, rewards, token_counts, advantages))
+
+    def _advantages_within_tasks(self, batch: TrainBatch, rewards: torch.Tensor, token_counts: torch.Tensor,
+                                 advantages: torch.Tensor) -> torch.Tensor:
+        """(B,) each row's advantage as its task's rows alone would give it, for WPSM's positive_only: a batch-wide
+        baseline (the batch mean, REINFORCE++'s whitening) would let one task's rewards decide which of another
+        task's rows are positive. One task: the trained advantages themselves."""
+        if batch.task_ids is None or torch.unique(batch.task_ids).numel() < 2:
+            return advantages
+
+        def alone(rewards: torch.Tensor, group_ids: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
+            return self.spec.advantages(rewards, group_ids, token_counts, task_ids=torch.zeros_like(group_ids),
+                                        **self.advantage_options)
+        return within_tasks(alone, batch.task_ids, rewards, batch.group_ids, token_counts)
 
     def _backward(self, micro: TrainBatch, rows: torch.Tensor, targets: _Targets, tally: _Tally) -> None:
         """Forward and backward of one microbatch: its share of the batch loss, gradients accumulated."""
         logprobs, entropies = self._policy_forward(micro, tally)
         entropies = entropies.detach()
-        weights = None
+        weights = flags = None
         if self.wpsm is not None:
             flags = wpsm_flags(mean_token_entropy(entropies, micro.loss_mask), targets.group_accuracy[rows],
-                               targets.advantages[rows], entropy_bound=self.wpsm.eta,
+                               targets.wpsm_advantages[rows], entropy_bound=self.wpsm.eta,
                                accuracy_threshold=self.wpsm.tau, positive_only=self.wpsm.positive_only)
             weights = wpsm_weights(flags, self.wpsm.alpha)
-            tally.wpsm_flagged += int(flags.sum())
         inputs = LossInputs(policy_logprobs=logprobs, old_logprobs=logprobs.detach(),
                             behavior_logprobs=micro.behavior_logprobs, loss_mask=micro.loss_mask,
                             advantages=targets.advantages[rows], rewards=targets.rewards[rows], entropies=entropies,
                             failures=micro.failures, modalities=micro.modalities, sequence_weights=weights)
         loss, stats = self.spec.objective(inputs, targets.norm, **self.loss_options)
         loss.backward()
-        tally.add(micro, loss, stats, logprobs.detach(), entropies)
+        tally.add(micro, loss, stats, logprobs.detach(), entropies, flags)
         tally.mismatch.add(micro, logprobs.detach(), version=self.version)
 
     def _idle_backward(self, micro: TrainBatch) -> None:
@@ -407,6 +423,7 @@ class _Targets:
     advantages: torch.Tensor  # (B,)
     norm: GlobalNorm
     group_accuracy: torch.Tensor | None  # (B,) for WPSM
+    wpsm_advantages: torch.Tensor | None  # (B,) for WPSM's positive_only: each row's within its task
 
 
 @dataclass
@@ -425,10 +442,11 @@ class _Tally:
     real_cells: int = 0
     mismatch: MismatchTally = field(default_factory=MismatchTally)
     task_rows: list[torch.Tensor] = field(default_factory=list)
-    """(b, 5) per row: task id, entropy sum, loss tokens, k3 sum, admitted by the sequence gate (1 without one)."""
+    """(b, 6) per row: task id, entropy sum, loss tokens, k3 sum, admitted by the sequence gate (1 without one),
+    flagged by WPSM (0 without it)."""
 
     def add(self, micro: TrainBatch, loss: torch.Tensor, stats: Mapping[str, torch.Tensor], logprobs: torch.Tensor,
-            entropies: torch.Tensor) -> None:
+            entropies: torch.Tensor, flags: torch.Tensor | None = None) -> None:
         self.loss += float(loss.detach())
         self.padded_cells += micro.attention_mask.numel()
         self.real_cells += int(micro.attention_mask.sum())
@@ -445,10 +463,12 @@ class _Tally:
         # k3 estimator of KL(behavior || policy) per token: exp(d) - d - 1 with d = log pi - log mu
         row_k3 = (torch.expm1(gap) - gap).sum(-1)
         self.k3_mismatch += float(row_k3.sum())
+        flagged = torch.zeros_like(row_k3) if flags is None else flags.to(row_k3)  # WPSM's
+        self.wpsm_flagged += int(flagged.sum())
         if micro.task_ids is not None:
             admitted = stats.get("admitted", torch.ones_like(row_k3)).detach().to(row_k3.dtype)
             self.task_rows.append(torch.stack([micro.task_ids.to(row_k3), row_entropy, mask.sum(-1).to(row_k3),
-                                               row_k3, admitted], dim=1).double().cpu())
+                                               row_k3, admitted, flagged], dim=1).double().cpu())
 
     @classmethod
     def merged(cls, tallies: Sequence[_Tally]) -> _Tally:
@@ -477,8 +497,9 @@ class _Tally:
         metrics.update({f"loss/{name}": value for name, value in self.scalars.items()})
         return metrics
 
-    def task_metrics(self, task_names: Sequence[str]) -> dict[str, float]:
-        """A mixture's entropy, behavior-policy KL (k3) per token and gate rejections, per task."""
+    def task_metrics(self, task_names: Sequence[str], wpsm: bool = False) -> dict[str, float]:
+        """A mixture's entropy, behavior-policy KL (k3) per token, gate rejections and (with WPSM) flagged rows,
+        per task."""
         if len(task_names) < 2 or not self.task_rows:
             return {}
         rows, metrics = torch.cat(self.task_rows), {}
@@ -488,6 +509,8 @@ class _Tally:
             metrics.update({f"task/{name}/entropy_mean": float(own[:, 1].sum()) / tokens,
                             f"task/{name}/mismatch_k3_kl": float(own[:, 3].sum()) / tokens,
                             f"task/{name}/gate_rejected_fraction": float(1 - own[:, 4].mean()) if len(own) else 0.0})
+            if wpsm:
+                metrics[f"task/{name}/wpsm/flagged_fraction"] = float(own[:, 5].mean()) if len(own) else 0.0
         return metrics
 
 
@@ -517,7 +540,8 @@ def _batch_metrics(batch: TrainBatch, trajectories: Sequence[Trajectory], target
 
 
 def _group_accuracy(batch: TrainBatch) -> torch.Tensor:
-    """(B,) accuracy of each row's whole group, over the full batch (not just the microbatch)."""
+    """(B,) accuracy of each row's whole group, over the full batch (not just the microbatch). A group is one prompt,
+    so it never mixes tasks."""
     passed = (~batch.failures).float()
     groups = batch.group_ids
     sums = torch.zeros(int(groups.max()) + 1, device=groups.device).index_add_(0, groups, passed)

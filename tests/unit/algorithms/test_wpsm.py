@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from flashreinforce.algorithms import group_mean, mean_token_entropy, wpsm_flags, wpsm_weights
+from flashreinforce.algorithms import (
+    batch_mean_advantages,
+    group_mean,
+    grpo_advantages,
+    mean_token_entropy,
+    reinforce_pp_advantages,
+    wpsm_flags,
+    wpsm_weights,
+)
+from flashreinforce.algorithms.wpsm import within_tasks
 
 
 def test_mean_token_entropy_over_loss_tokens_only():
@@ -46,3 +55,72 @@ def test_weights_are_one_minus_alpha_on_flagged_rows():
     assert wpsm_weights(flags).tolist() == [0.0, 1.0]  # default alpha = 1: a hard mask
     with pytest.raises(ValueError, match="alpha"):
         wpsm_weights(flags, 1.5)
+
+
+# ---- several tasks in one batch: every statistic a flag reads is the row's own task's --------------------------
+
+def _batch(seed, rows=24, tasks=2):
+    """Random rows of groups of 3 (one task each), tasks interleaved, rewards of a different scale per task."""
+    g = torch.Generator().manual_seed(seed)
+    groups = torch.arange(rows) // 3
+    task_ids = torch.randint(0, tasks, (rows // 3,), generator=g)[groups]
+    passed = torch.randint(0, 2, (rows,), generator=g).float()
+    rewards = passed + 10.0 * task_ids + torch.rand(rows, generator=g, dtype=torch.float64).float()
+    entropy = torch.rand(rows, generator=g)
+    counts = torch.randint(1, 9, (rows,), generator=g)
+    return entropy, passed, rewards, groups, task_ids, counts
+
+
+ESTIMATORS = {
+    "batch_mean": lambda r, g, n: batch_mean_advantages(r, g),
+    "reinforce_pp": lambda r, g, n: reinforce_pp_advantages(r, g, n),
+    "grpo": lambda r, g, n: grpo_advantages(r, g),
+}
+
+
+def _wpsm(entropy, passed, rewards, groups, task_ids, counts, estimator):
+    """WPSM as the trainer composes it: advantages within tasks, group accuracy, then the flags."""
+    advantages = within_tasks(estimator, task_ids, rewards, groups, counts)
+    flags = wpsm_flags(entropy, group_mean(passed, groups), advantages, entropy_bound=0.6, accuracy_threshold=0.3)
+    return advantages, flags
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+@pytest.mark.parametrize("seed", range(5))
+def test_one_task_is_exactly_the_statistic_of_the_whole_batch(name, seed):
+    _, _, rewards, groups, _, counts = _batch(seed)
+    estimator = ESTIMATORS[name]
+    for task_ids in (None, torch.zeros_like(groups), torch.full_like(groups, 3)):
+        got = within_tasks(estimator, task_ids, rewards, groups, counts)
+        assert torch.equal(got, estimator(rewards, groups, counts))
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+@pytest.mark.parametrize("seed", range(5))
+def test_with_two_tasks_each_tasks_advantages_and_flags_are_those_of_its_rows_alone(name, seed):
+    entropy, passed, rewards, groups, task_ids, counts = _batch(seed)
+    assert task_ids.unique().numel() == 2
+    together = _wpsm(entropy, passed, rewards, groups, task_ids, counts, ESTIMATORS[name])
+    for task in (0, 1):
+        own = task_ids == task
+        alone = _wpsm(*(x[own] for x in (entropy, passed, rewards, groups)), torch.zeros_like(groups[own]),
+                      counts[own], ESTIMATORS[name])
+        assert all(torch.equal(mixed[own], single) for mixed, single in zip(together, alone))
+
+
+def test_the_batch_mean_would_let_one_tasks_rewards_decide_anothers_flags():
+    """The property above fails without within_tasks: task 0's correct rows (reward 1) sit below a batch mean
+    lifted by task 1's rewards of 10 and count as negative."""
+    rewards, groups = torch.tensor([1.0, 0.0, 10.0, 11.0]), torch.tensor([0, 0, 1, 1])
+    tasks = groups.clone()
+    whole = batch_mean_advantages(rewards, groups)
+    assert whole.tolist() == [-4.5, -5.5, 4.5, 5.5]
+    assert within_tasks(batch_mean_advantages, tasks, rewards, groups).tolist() == [0.5, -0.5, -0.5, 0.5]
+    flags = wpsm_flags(torch.zeros(4), torch.ones(4), within_tasks(batch_mean_advantages, tasks, rewards, groups),
+                       entropy_bound=1.0, accuracy_threshold=0.5)
+    assert flags.tolist() == [True, False, False, True]
+
+
+def test_within_tasks_refuses_rows_of_another_length():
+    with pytest.raises(ValueError, match="first dimension"):
+        within_tasks(batch_mean_advantages, torch.tensor([0, 1, 1]), torch.ones(4), torch.arange(4))

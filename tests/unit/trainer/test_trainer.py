@@ -9,7 +9,7 @@ from flashreinforce.models import build_model, token_logprobs
 from flashreinforce.trainer.batching import collate
 from flashreinforce.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_states, save_checkpoint
 from flashreinforce.trainer.optim import lr_multiplier
-from flashreinforce.trainer.trainer import OptimizerSettings, OverlongShaping, Trainer
+from flashreinforce.trainer.trainer import OptimizerSettings, OverlongShaping, Trainer, WPSMSettings
 from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
 
 VOCAB = 12
@@ -85,6 +85,15 @@ def _on_policy_batch(model, rows, group_size):
     return trajectories
 
 
+def _two_task_rows(base):
+    """8 rows, one per group: task a rewards 0/1, task b 10/11 (every row passes): a's batch-mean advantages are all
+    negative, its own-task ones half positive."""
+    rows = _on_policy_batch(base, rows=8, group_size=1)
+    return [dataclasses.replace(t, prompt=dataclasses.replace(t.prompt, task="a" if i < 4 else "b"),
+                                verdict=Verdict(reward=float(i % 2) + (10.0 if i >= 4 else 0.0), passed=True))
+            for i, t in enumerate(rows)]
+
+
 def _trainer(model, loss, microbatch_size, microbatch_tokens=None, **options):
     return Trainer(
         model,
@@ -132,10 +141,7 @@ def test_the_task_baseline_trains_each_task_against_its_own_mean_and_microbatche
     """algo.options.baseline=task in a mixture whose tasks' rewards differ in scale: each row's advantage is its
     reward minus its task's batch mean, and 3 microbatches step the weights exactly like one batch."""
     base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
-    rows = _on_policy_batch(base, rows=8, group_size=1)
-    rows = [dataclasses.replace(t, prompt=dataclasses.replace(t.prompt, task="a" if i < 4 else "b"),
-                                verdict=Verdict(reward=float(i % 2) + (10.0 if i >= 4 else 0.0), passed=True))
-            for i, t in enumerate(rows)]
+    rows = _two_task_rows(base)
     whole, split = copy.deepcopy(base), copy.deepcopy(base)
     trainer = _trainer(whole, "flashreinforce", microbatch_size=8)
     trainer.loss_options = {**trainer.loss_options, "delta": math.inf}
@@ -160,6 +166,40 @@ def test_the_task_baseline_trains_each_task_against_its_own_mean_and_microbatche
     plain.loss_options = trainer.loss_options
     plain.step(rows)  # the batch mean (5.5) instead: every task-a row pushed down, task-b up: another step
     assert any(not torch.equal(a, b) for a, b in zip(whole.parameters(), batch_baseline.parameters()))
+
+
+def test_wpsm_reads_each_rows_advantage_within_its_task_and_reports_flags_per_task():
+    """positive_only under the batch-mean baseline: task a's correct rows (reward 1, batch mean 5.5) would count as
+    negative and never be flagged, task b's all positive; within each task half of each task's rows are."""
+    base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
+    rows = _two_task_rows(base)
+    wpsm = WPSMSettings(tau=-1.0, eta=1e9, alpha=1.0, positive_only=True)  # only the sign of A decides
+    trainer = _trainer(copy.deepcopy(base), "flashreinforce", microbatch_size=3, wpsm=wpsm)
+    batch = collate(sorted(rows, key=lambda t: len(t.tokens)), 0)
+    targets = trainer._targets(batch)
+    by_task = {task: [t.reward for t in sorted(rows, key=lambda t: len(t.tokens)) if t.prompt.task == task]
+               for task in "ab"}
+    expected = torch.tensor([t.reward - sum(by_task[t.prompt.task]) / 4
+                             for t in sorted(rows, key=lambda t: len(t.tokens))], dtype=targets.advantages.dtype)
+    assert torch.allclose(targets.wpsm_advantages, expected)
+    assert bool((targets.advantages[batch.task_ids == 0] < 0).all())  # the trained ones keep the batch mean
+    metrics = trainer.step(rows)
+    assert metrics["wpsm/flagged_fraction"] == 0.5
+    assert metrics["task/a/wpsm/flagged_fraction"] == 0.5 and metrics["task/b/wpsm/flagged_fraction"] == 0.5
+
+
+def test_wpsm_with_one_task_uses_the_trained_advantages_and_adds_no_task_metrics():
+    base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
+    rows = _on_policy_batch(base, rows=8, group_size=2)
+    wpsm = WPSMSettings(tau=-1.0, eta=1e9, alpha=1.0, positive_only=True)
+    trainer = _trainer(copy.deepcopy(base), "flashreinforce", microbatch_size=8, wpsm=wpsm)
+    targets = trainer._targets(collate(rows, 0))
+    assert targets.wpsm_advantages is targets.advantages
+    metrics = trainer.step(rows)
+    assert metrics["wpsm/flagged_fraction"] == 3 / 8  # rows 0, 3, 6 pass: reward 1 above the batch mean 3/8
+    assert not [k for k in metrics if k.startswith("task/")]
+    without = _trainer(copy.deepcopy(base), "flashreinforce", microbatch_size=8).step(rows)
+    assert "wpsm/flagged_fraction" not in without and not [k for k in without if k.startswith("task/")]
 
 
 def test_gradient_checkpointing_recomputes_each_layer_and_steps_like_the_plain_forward():
