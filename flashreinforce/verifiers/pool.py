@@ -6,10 +6,13 @@ MemoryError) gives "crash: ..." and its worker is replaced. User code never rais
 
 Elastic: between min_workers and max_workers processes. A worker is added when calls wait, no worker
 is free and a CPU is idle; one idle for `idle_timeout_s` retires (down to min_workers). Inside
-`with pool.yield_cpus():` (the trainer's compute) at most max(1, min_workers) calls run at once;
+`with pool.yield_cpus():` (the trainer's compute) at most max(1, min_workers) workers score at once;
 the other workers stay parked with their imports warm rather than being killed and restarted
-every step. One dispatcher thread owns the workers; `submit` is safe from any thread, `score` from
-an event loop. POSIX only (process groups, /proc/stat or the load average).
+every step. A batchable reward function (registry.py: score_batch, batch_size) gets up to batch_size queued
+calls of its reference at once on an idle worker; each call keeps its own Future, deadline and Verdict, and a
+timeout or crash of the batch answers each of its calls as it would a single one. One dispatcher thread
+owns the workers; `submit` is safe from any thread, `score` from an event loop. POSIX only (process groups,
+/proc/stat or the load average).
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class _Worker:
     proc: subprocess.Popen
     conn: Connection
     ready: bool = False
-    call: _Call | None = None
+    calls: list[_Call] = field(default_factory=list)
+    """The batch it is scoring (one call for a function that is not batchable); empty when idle."""
     idle_since: float = field(default_factory=time.monotonic)
 
 
@@ -127,6 +131,7 @@ class VerifierPool:
         self._spawn_after = 0.0
         self._call_ids = itertools.count()
         self._loaded: Future[None] = Future()  # the first worker's verdict on the reward references
+        self._batch_sizes: dict[str, int] = {}  # ref -> calls sent at once, from the workers' "ready"
 
         self._wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -176,7 +181,7 @@ class VerifierPool:
 
     @contextlib.contextmanager
     def yield_cpus(self) -> Iterator[None]:
-        """While inside, run at most max(1, min_workers) calls at once: the trainer gets the other CPUs."""
+        """While inside, at most max(1, min_workers) workers score at once: the trainer gets the other CPUs."""
         with self._lock:
             self._busy += 1
         self._wake()
@@ -188,8 +193,9 @@ class VerifierPool:
             self._wake()
 
     def stats(self) -> dict[str, float]:
-        """Counters since start: calls, reason/<ok|wrong|no_answer|error|timeout|crash|...>, workers_started;
-        gauges: workers (alive), running, queued, limit (calls allowed at once now)."""
+        """Counters since start: calls, batches (sent to a worker, one call or several), reason/<ok|wrong|
+        no_answer|error|timeout|crash|...>, workers_started; gauges: workers (alive), running (calls in
+        workers), queued, limit (workers allowed to score at once now)."""
         with self._lock:
             return {**self._counts, **self._gauges, "limit": self._allowed()}  # live: yield_cpus acts at once
 
@@ -248,18 +254,19 @@ class VerifierPool:
             return self._allowed()
 
     def _allowed(self) -> int:
-        """Calls allowed to run at once (the caller holds the lock)."""
+        """Workers allowed to score at once (the caller holds the lock)."""
         return max(1, self.min_workers) if self._busy else self.max_workers
 
     def _expire(self, now: float) -> None:
-        for worker in [w for w in self._workers if w.call is not None and now >= w.call.deadline]:
-            call = worker.call
+        for worker in [w for w in self._workers if w.calls and now >= w.calls[0].deadline]:  # a batch's is shared
+            calls = worker.calls
             self._stop(worker)
-            self._finish(call, Verdict(reward=0.0, passed=False, reason="timeout", seconds=now - call.started))
+            for call in calls:
+                self._finish(call, Verdict(reward=0.0, passed=False, reason="timeout", seconds=now - call.started))
 
     def _scale(self, now: float) -> None:
         limit = self._limit()
-        idle = [w for w in self._workers if w.ready and w.call is None]
+        idle = [w for w in self._workers if w.ready and not w.calls]
         # Retire the longest-idle first: down to min_workers after idle_timeout_s.
         for worker in sorted(idle, key=lambda w: w.idle_since):
             if len(self._workers) > self.min_workers and now - worker.idle_since >= self.idle_timeout_s:
@@ -273,22 +280,43 @@ class VerifierPool:
             self._spawn()
 
     def _dispatch(self, now: float) -> None:
-        idle = [w for w in self._workers if w.ready and w.call is None]
-        running = sum(w.call is not None for w in self._workers)
+        idle = [w for w in self._workers if w.ready and not w.calls]
+        running = sum(bool(w.calls) for w in self._workers)
         limit = self._limit()
         while self._queue and idle and running < limit:
-            call = self._queue.popleft()
-            if not call.future.running() and not call.future.set_running_or_notify_cancel():
-                continue  # the caller cancelled it while it waited (running: requeued after a failed send)
-            worker = idle.pop(0)
-            try:
-                worker.conn.send((call.id, call.ref, call.completion, call.prompt.ground_truth, call.prompt))
-            except OSError:  # the worker just died; _receive will see it, and the call goes to another
-                self._queue.appendleft(call)
+            calls = self._next_batch()
+            if not calls:
                 continue
-            call.started, call.deadline = now, now + self.timeout_s
-            worker.call = call
+            worker = idle.pop(0)
+            rows = [(c.id, c.completion, c.prompt.ground_truth, c.prompt) for c in calls]
+            try:
+                worker.conn.send((calls[0].ref, rows))
+            except OSError:  # the worker just died; _receive will see it, and the calls go to another
+                self._queue.extendleft(reversed(calls))
+                continue
+            for call in calls:
+                call.started, call.deadline = now, now + self.timeout_s
+            worker.calls = calls
             running += 1
+            self._count("batches")
+
+    def _next_batch(self) -> list[_Call]:
+        """The first queued call and, when its reference is batchable, the next queued calls of the same reference
+        up to its batch size (the others keep their places); calls cancelled while they waited are dropped."""
+        first = self._queue.popleft()
+        if not _claim(first):
+            return []
+        batch, size = [first], self._batch_sizes.get(first.ref, 1)
+        if size > 1:
+            rest: collections.deque[_Call] = collections.deque()
+            while self._queue and len(batch) < size:
+                call = self._queue.popleft()
+                if call.ref != first.ref:
+                    rest.append(call)
+                elif _claim(call):
+                    batch.append(call)
+            self._queue.extendleft(reversed(rest))
+        return batch
 
     def _receive(self, worker: _Worker) -> None:
         try:
@@ -299,27 +327,30 @@ class VerifierPool:
         kind = message[0]
         if kind == "ready":
             worker.ready, worker.idle_since = True, time.monotonic()
+            self._batch_sizes.update(message[1])
             if not self._loaded.done():
                 self._loaded.set_result(None)
         elif kind == "load_error":
             if not self._loaded.done():
                 self._loaded.set_result(message[1])
-        elif kind in ("done", "crash"):
-            call = worker.call
-            assert call is not None and call.id == message[1], f"worker answered call {message[1]}, ran {call}"
-            worker.call, worker.idle_since = None, time.monotonic()
-            verdict = message[2]
-            if kind == "crash":  # the worker is exiting: reap it now, before another call is sent to it
-                self._stop(worker)
-                self._count("worker_crashes")
-                verdict = Verdict(reward=0.0, passed=False, reason=f"crash: {message[2]}",
-                                  seconds=time.monotonic() - call.started)
-            self._finish(call, verdict)
+        elif kind == "done":
+            calls, answers = worker.calls, message[1]
+            assert [c.id for c in calls] == [i for i, _ in answers], f"worker answered {answers}, ran {calls}"
+            worker.calls, worker.idle_since = [], time.monotonic()
+            for call, (_, verdict) in zip(calls, answers):
+                self._finish(call, verdict)
+        elif kind == "crash":  # the worker is exiting: reap it now, before another call is sent to it
+            calls, worker.calls = worker.calls, []
+            self._stop(worker)
+            self._count("worker_crashes")
+            for call in calls:
+                self._finish(call, Verdict(reward=0.0, passed=False, reason=f"crash: {message[1]}",
+                                           seconds=time.monotonic() - call.started))
         else:
             raise AssertionError(f"unknown message from verifier worker {worker.proc.pid}: {message!r}")
 
     def _on_exit(self, worker: _Worker) -> None:
-        """The worker's socket closed: it exited or was killed. Reap it and answer its call."""
+        """The worker's socket closed: it exited or was killed. Reap it and answer each call of its batch."""
         self._stop(worker)
         returncode = worker.proc.returncode
         if not worker.ready:
@@ -330,9 +361,9 @@ class VerifierPool:
             log.warning("%s; retrying in %.0f s", message, _RESPAWN_BACKOFF_S)
             return
         self._count("worker_crashes")
-        if worker.call is not None:
-            self._finish(worker.call, Verdict(reward=0.0, passed=False, reason=f"crash: {describe_exit(returncode)}",
-                                              seconds=time.monotonic() - worker.call.started))
+        for call in worker.calls:
+            self._finish(call, Verdict(reward=0.0, passed=False, reason=f"crash: {describe_exit(returncode)}",
+                                       seconds=time.monotonic() - call.started))
 
     def _finish(self, call: _Call, verdict: Verdict) -> None:
         self._count("calls", f"reason/{verdict.reason.split(':', 1)[0]}")
@@ -365,8 +396,8 @@ class VerifierPool:
         worker.conn.close()
 
     def _sleep(self, now: float) -> float | None:
-        wakes = [w.call.deadline for w in self._workers if w.call is not None]
-        wakes += [w.idle_since + self.idle_timeout_s for w in self._workers if w.ready and w.call is None
+        wakes = [w.calls[0].deadline for w in self._workers if w.calls]
+        wakes += [w.idle_since + self.idle_timeout_s for w in self._workers if w.ready and not w.calls
                   and len(self._workers) > self.min_workers]
         if self._queue and len(self._workers) < self._limit():  # waiting for an idle CPU to grow
             wakes.append(max(now + _TICK_S, self._spawn_after))
@@ -376,7 +407,7 @@ class VerifierPool:
         with self._lock:
             self._gauges = {
                 "workers": len(self._workers),
-                "running": sum(w.call is not None for w in self._workers),
+                "running": sum(len(w.calls) for w in self._workers),
                 "queued": len(self._queue) + len(self._inbox),
             }
             self._pids = tuple(w.proc.pid for w in self._workers)
@@ -388,8 +419,8 @@ class VerifierPool:
             if call.future.running() or call.future.set_running_or_notify_cancel():  # False: cancelled
                 call.future.set_exception(error)
         for worker in self._workers:
-            if worker.call is not None:
-                worker.call.future.set_exception(error)
+            for call in worker.calls:
+                call.future.set_exception(error)
         self._queue.clear()
         for worker in list(self._workers):
             self._stop(worker)
@@ -402,6 +433,12 @@ class VerifierPool:
             if self._wake_w is not None:
                 with contextlib.suppress(BlockingIOError):  # a full pipe wakes the dispatcher anyway
                     os.write(self._wake_w, b"x")
+
+
+def _claim(call: _Call) -> bool:
+    """Mark a queued call running; False when its caller cancelled it while it waited (one already running was
+    requeued after a failed send)."""
+    return call.future.running() or call.future.set_running_or_notify_cancel()
 
 
 class _CpuMeter:

@@ -25,7 +25,42 @@ from typing import Any
 from flashreinforce.types import Prompt, Verdict
 
 RewardFn = Callable[[str, str, Prompt], Any]
-"""(completion, ground_truth, prompt) -> float | bool | Verdict."""
+"""(completion, ground_truth, prompt) -> float | bool | Verdict.
+
+A RewardFn that also has `score_batch(completions, ground_truths, prompts) -> list` (one result per row, in order)
+and `batch_size` (an int >= 1) is batchable: the pool sends it up to batch_size queued calls at once, through
+score_batch (BatchedRewardFn is one; so is any function given those two attributes)."""
+
+DEFAULT_BATCH_SIZE = 8
+"""Rows per score_batch call of a batchable RewardFn that states no batch_size."""
+
+
+@dataclass(frozen=True)
+class BatchedRewardFn:
+    """A batchable RewardFn: a call scores one row through score_batch, so one row and a batch score alike."""
+
+    score_batch: Callable[[Sequence[str], Sequence[str], Sequence[Prompt]], list[Any]]
+    batch_size: int = DEFAULT_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        check_batch_size(self.batch_size)
+
+    def __call__(self, completion: str, ground_truth: str, prompt: Prompt) -> Any:
+        return self.score_batch([completion], [ground_truth], [prompt])[0]
+
+
+def check_batch_size(batch_size: object) -> int:
+    """batch_size as given, or a ValueError naming it (a factory checks it before loading a model)."""
+    if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1):
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (the rows scored in one call)")
+    return batch_size
+
+
+def batch_size_of(fn: RewardFn) -> int:
+    """How many calls the pool may send `fn` at once: its batch_size when it has a score_batch, else 1."""
+    if not callable(getattr(fn, "score_batch", None)):
+        return 1
+    return check_batch_size(getattr(fn, "batch_size", DEFAULT_BATCH_SIZE))
 
 FACTORIES: dict[str, str] = {
     "math": "flashreinforce.verifiers.math:math_verifier",

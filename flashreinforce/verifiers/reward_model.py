@@ -7,42 +7,49 @@ response joined by a newline), truncated from the left to `max_length` tokens. T
 scale), or (score - shift) / scale with `squash: none`. `passed` is reward > `pass_threshold`.
 
 The model is loaded once per verifier worker process, on `device` (CPU by default: the trainer and engines keep
-the GPUs), in fp32 unless `dtype` says otherwise; rows are scored one call at a time, as every verifier in the
-pool is. A path that is not a sequence-classification model is an error when the verifier is built.
+the GPUs), in fp32 unless `dtype` says otherwise. It is batchable: the pool sends up to `batch_size` rows at once,
+scored in one right-padded forward (a row's score is read at its last token, as when it is scored alone). A path
+that is not a sequence-classification model is an error when the verifier is built.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from flashreinforce.types import Prompt, Verdict
+from flashreinforce.verifiers.registry import DEFAULT_BATCH_SIZE, BatchedRewardFn, check_batch_size
 
 SQUASHES = ("sigmoid", "none")
 
 
 def reward_model_verifier(*, path: str, device: str = "cpu", dtype: str = "float32", max_length: int = 2048,
                           label: int = 0, squash: str = "sigmoid", shift: float = 0.0, scale: float = 1.0,
-                          pass_threshold: float = 0.5) -> Callable[[str, str, Prompt], Verdict]:
+                          pass_threshold: float = 0.5, batch_size: int = DEFAULT_BATCH_SIZE) -> BatchedRewardFn:
     """Options: path (a local model directory), device, dtype, max_length, label, squash (sigmoid | none), shift,
-    scale, pass_threshold."""
+    scale, pass_threshold, batch_size (rows per forward)."""
     if squash not in SQUASHES:
         raise ValueError(f"squash={squash!r} is not one of {SQUASHES}")
     if not scale > 0 or max_length < 8:
         raise ValueError(f"scale={scale} must be > 0 and max_length={max_length} at least 8")
+    check_batch_size(batch_size)
     model, tokenizer = load_reward_model(path, device=device, dtype=dtype)
     if not 0 <= label < model.config.num_labels:
         raise ValueError(f"label={label}: the model at {path} has {model.config.num_labels} label(s)")
 
-    def score(completion: str, ground_truth: str, prompt: Prompt) -> Verdict:
-        raw = reward_score(model, tokenizer, conversation(prompt, completion), label=label, max_length=max_length)
+    def verdict(raw: float) -> Verdict:
         value = (raw - shift) / scale
         reward = 1.0 / (1.0 + math.exp(-value)) if squash == "sigmoid" else value
         passed = reward > pass_threshold
         return Verdict(reward=reward, passed=passed, reason="ok" if passed else "low_score")
-    return score
+
+    def score_batch(completions: Sequence[str], ground_truths: Sequence[str],
+                    prompts: Sequence[Prompt]) -> list[Verdict]:
+        rows = [conversation_ids(tokenizer, conversation(p, c), max_length) for c, p in zip(completions, prompts)]
+        return [verdict(raw) for raw in reward_scores(model, rows, label=label)]
+    return BatchedRewardFn(score_batch, batch_size)
 
 
 def load_reward_model(path: str, *, device: str, dtype: str) -> tuple[Any, Any]:
@@ -76,15 +83,25 @@ def conversation(prompt: Prompt, completion: str) -> list[dict[str, str]]:
     return [*messages, {"role": "assistant", "content": completion}]
 
 
-def reward_score(model: Any, tokenizer: Any, messages: list[dict[str, str]], *, label: int, max_length: int) -> float:
-    """The model's logit of `label` for the conversation, its tokens cut from the left to max_length."""
-    import torch
-
+def conversation_ids(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> list[int]:
+    """The conversation's tokens (its chat template's, else its contents joined by newlines), cut from the left to
+    max_length."""
     if tokenizer.chat_template:
         ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     else:
         ids = tokenizer.encode("\n".join(m["content"] for m in messages))
-    ids = list(ids)[-max_length:]
+    return list(ids)[-max_length:]
+
+
+def reward_scores(model: Any, rows: Sequence[list[int]], *, label: int) -> list[float]:
+    """The model's logit of `label` for each row of tokens, in one forward. Rows are padded on the right with the
+    pad id, masked out: the model reads each row's score at its rightmost non-pad token, the one it reads when
+    the row is alone, and a causal model's real tokens never attend to the pads after them."""
+    import torch
+
+    width, pad = max(len(ids) for ids in rows), model.config.pad_token_id
+    input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids in rows], device=model.device)
+    mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in rows], device=model.device)
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits
-    return float(logits[0, label].float())
+        logits = model(input_ids=input_ids, attention_mask=mask).logits
+    return [float(value) for value in logits[:, label].float()]

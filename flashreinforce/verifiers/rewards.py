@@ -5,7 +5,15 @@ A reward function is called once per trajectory:
     def my_reward(completion: str, ground_truth: str, prompt: Prompt) -> float | bool | Verdict
 
 A bool gives reward 1.0 / 0.0; a number r gives Verdict(reward=r, passed=r > 0); a Verdict is kept as
-is. References: a registered verifier by name ("math") or as a JSON spec (verifiers/registry.py),
+is. A function that scores many rows at once more cheaply than one by one (a model's forward) is batchable:
+
+    my_reward = BatchedRewardFn(score_batch=my_batch, batch_size=16)  # my_batch(completions, ground_truths,
+                                                                      #          prompts) -> list, one per row
+
+(or any function with `score_batch` and `batch_size` attributes): the pool then sends it up to batch_size
+queued calls at once; each call still gets its own Verdict.
+
+References: a registered verifier by name ("math") or as a JSON spec (verifiers/registry.py),
 "path/to/file.py:function" or "package.module:function".
 A reference that does not load (missing file, syntax error, no such function, wrong signature) is a
 ValueError naming it and the fix, raised when the pool starts, never per call. This module runs
@@ -21,9 +29,11 @@ import inspect
 import sys
 from pathlib import Path
 
-from flashreinforce.verifiers.registry import (  # noqa: F401 - RewardFn, to_verdict: this module's API too
+from flashreinforce.verifiers.registry import (  # noqa: F401 - RewardFn, to_verdict, ...: this module's API too
     FACTORIES,
+    BatchedRewardFn,
     RewardFn,
+    batch_size_of,
     build_verifier,
     is_spec_ref,
     spec_from_ref,

@@ -3,12 +3,14 @@
 A fresh interpreter, not a fork or a multiprocessing child: those would inherit or re-import the
 trainer's main module (torch, its thread pools, its memory), and this process imports only the reward
 functions it runs. Protocol over the socket `fd` (pickled messages):
-  pool -> worker: (sys_path, reward_refs, memory_limit_mb) once, then (call_id, ref, completion,
-                  ground_truth, prompt) per call. The pool stops a worker with SIGKILL.
-  worker -> pool: ("ready",) or ("load_error", message) once, then ("done", call_id, Verdict) per
-                  call, or ("crash", call_id, message) just before exiting on a fatal error.
-An exception from a reward function is a Verdict; what leaves the interpreter in doubt (MemoryError,
-SystemExit) ends the process, and a segfault or os._exit ends it anyway: the pool replaces it.
+  pool -> worker: (sys_path, reward_refs, memory_limit_mb) once, then (ref, rows) per batch, rows a list of
+                  (call_id, completion, ground_truth, prompt): one row, or up to the ref's batch size for a
+                  batchable function (registry.py). The pool stops a worker with SIGKILL.
+  worker -> pool: ("ready", {ref: batch_size}) or ("load_error", message) once, then ("done", [(call_id,
+                  Verdict), ...]) per batch, in the rows' order, or ("crash", message) just before exiting on a
+                  fatal error.
+An exception from a reward function is a Verdict (for every row of its batch); what leaves the interpreter in
+doubt (MemoryError, SystemExit) ends the process, and a segfault or os._exit ends it anyway: the pool replaces it.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import os
 import sys
 import time
 from multiprocessing.connection import Connection
+from typing import NoReturn
 
 from flashreinforce.lifetime import describe_error, die_with_parent
-from flashreinforce.types import Verdict
-from flashreinforce.verifiers.rewards import RewardFn, load_reward_fn, to_verdict
+from flashreinforce.types import Prompt, Verdict
+from flashreinforce.verifiers.rewards import RewardFn, batch_size_of, load_reward_fn, to_verdict
 
 
 def main(fd: int, pool_pid: int) -> None:
@@ -35,34 +38,50 @@ def main(fd: int, pool_pid: int) -> None:
         limit = memory_limit_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     fns: dict[str, RewardFn] = {}
+    batch_sizes: dict[str, int] = {}
     for ref in refs:
         try:
             fns[ref] = load_reward_fn(ref)
+            batch_sizes[ref] = batch_size_of(fns[ref])  # a bad batch_size is a load error, not a per-call one
         except ValueError as e:
             conn.send(("load_error", str(e)))
             return
     _one_torch_thread()
-    conn.send(("ready",))
+    conn.send(("ready", batch_sizes))
     while True:
         try:
-            call_id, ref, completion, ground_truth, prompt = conn.recv()
+            ref, rows = conn.recv()
         except EOFError:  # the pool is gone
             return
         start = time.perf_counter()
-        try:
-            verdict = to_verdict(fns[ref](completion, ground_truth, prompt))
-        except MemoryError as e:
-            _crash(conn, call_id, e)
-        except Exception as e:
-            verdict = Verdict(reward=0.0, passed=False, reason=f"error: {describe_error(e)}")
-        except BaseException as e:  # SystemExit, KeyboardInterrupt: the function asked to stop the process
-            _crash(conn, call_id, e)
-        conn.send(("done", call_id, dataclasses.replace(verdict, seconds=time.perf_counter() - start)))
+        verdicts = _score(conn, fns[ref], rows)
+        share = (time.perf_counter() - start) / len(rows)  # each row's part of the batch's time
+        conn.send(("done", [(row[0], dataclasses.replace(v, seconds=share)) for row, v in zip(rows, verdicts)]))
 
 
-def _crash(conn: Connection, call_id: int, error: BaseException) -> None:
+def _score(conn: Connection, fn: RewardFn, rows: list[tuple[int, str, str, Prompt]]) -> list[Verdict]:
+    """One Verdict per row: through score_batch when fn has one, else one call per row (the pool sends such a
+    function one row at a time). An exception is an error Verdict for every row of the batch."""
+    _, completions, ground_truths, prompts = (list(column) for column in zip(*rows))
     try:
-        conn.send(("crash", call_id, describe_error(error)))
+        if callable(getattr(fn, "score_batch", None)):
+            values = list(fn.score_batch(completions, ground_truths, prompts))  # type: ignore[attr-defined]
+            if len(values) != len(rows):
+                raise ValueError(f"score_batch returned {len(values)} results for {len(rows)} rows; return one per row")
+        else:
+            values = [fn(c, g, p) for c, g, p in zip(completions, ground_truths, prompts)]
+        return [to_verdict(value) for value in values]
+    except MemoryError as e:
+        _crash(conn, e)
+    except Exception as e:
+        return [Verdict(reward=0.0, passed=False, reason=f"error: {describe_error(e)}")] * len(rows)
+    except BaseException as e:  # SystemExit, KeyboardInterrupt: the function asked to stop the process
+        _crash(conn, e)
+
+
+def _crash(conn: Connection, error: BaseException) -> NoReturn:
+    try:
+        conn.send(("crash", describe_error(error)))
     finally:
         os._exit(70)  # skip atexit and finalizers: the interpreter's state is in doubt
 

@@ -56,3 +56,20 @@ def test_a_spec_reaches_the_pools_workers_and_bad_paths_or_options_are_named(rew
         build_verifier({"kind": "reward_model", "path": str(reward_model_dir), "squash": "tanh"})
     with pytest.raises(ValueError, match=r"label=3: the model at .* has 1 label"):
         build_verifier({"kind": "reward_model", "path": str(reward_model_dir), "label": 3})
+
+
+def test_a_batch_scores_each_row_as_it_scores_alone(reward_model_dir):
+    score = build_verifier({"kind": "reward_model", "path": str(reward_model_dir), "squash": "none", "batch_size": 4})
+    assert score.batch_size == 4
+    prompts = [PROMPT, Prompt(id="q", prompt="Name a meter.", ground_truth=""), PROMPT]
+    responses = ["5", "Alla breve is a meter; Allan and Allah are names. Let me think step by step.",
+                 "The answer is 5."]
+    batched = [v.reward for v in score.score_batch(responses, ["5", "", "5"], prompts)]
+    alone = [score(r, "5", p).reward for r, p in zip(responses, prompts)]
+    assert batched == pytest.approx(alone, abs=1e-5)
+    assert len(set(batched)) == 3  # different rows, different scores: the padding did not flatten them
+
+
+def test_batch_size_is_an_option_checked_before_the_model_loads(reward_model_dir):
+    with pytest.raises(ValueError, match=r"reward_model: batch_size=0 must be an int >= 1"):
+        build_verifier({"kind": "reward_model", "path": str(reward_model_dir / "nothing"), "batch_size": 0})

@@ -196,3 +196,79 @@ def test_default_cpu_meter_reads_a_plausible_idle_count():
     for _ in range(2):
         time.sleep(0.15)
         assert 0.0 <= meter() <= os.cpu_count()
+
+
+BATCH_MODULE = '''
+import json
+import os
+import time
+
+from flashreinforce.verifiers.rewards import BatchedRewardFn
+
+def _score_batch(completions, ground_truths, prompts):
+    with open(os.path.join(os.path.dirname(__file__), "batches.jsonl"), "a") as log:
+        log.write(json.dumps(list(completions)) + "\\n")
+    rewards = []
+    for completion in completions:
+        if completion.startswith("sleep "):
+            time.sleep(float(completion.split()[1]))
+        elif completion == "exit":
+            os._exit(3)
+        elif completion == "stop":
+            raise SystemExit(4)
+        elif completion == "raise":
+            raise ZeroDivisionError("no batch for you")
+        rewards.append(1.0 if completion.startswith("sleep ") else float(completion))
+    return rewards
+
+scores = BatchedRewardFn(_score_batch, batch_size=4)
+'''
+
+
+@pytest.fixture
+def batched(tmp_path):
+    """(ref, batches()): a batchable reward function (batch_size 4, reward = float(completion); `sleep S` sleeps
+    (reward 1), `exit` kills its worker, `stop` asks it to exit, `raise` raises) and the completions of each batch
+    it was called with, in order."""
+    import json
+
+    (tmp_path / "batched_rewards.py").write_text(BATCH_MODULE)
+    log = tmp_path / "batches.jsonl"
+    return f"{tmp_path / 'batched_rewards.py'}:scores", lambda: [json.loads(r) for r in log.read_text().splitlines()]
+
+
+def test_queued_calls_of_a_batchable_function_go_to_a_worker_in_batches(batched):
+    batch_ref, batches = batched
+    with VerifierPool([batch_ref, ref("exact")], max_workers=1) as pool:
+        first = pool.submit("sleep 0.3", PROMPT)
+        wait_until(lambda: pool.stats()["running"] == 1)
+        futures = [pool.submit(c, PROMPT, reward_fn=r) for c, r in
+                   [("1", None), ("5", ref("exact")), ("2", None), ("3", None), ("4", None), ("6", None)]]
+        assert first.result(timeout=30).reward == 1.0
+        assert [f.result(timeout=30).reward for f in futures] == [1.0, 1.0, 2.0, 3.0, 4.0, 6.0]  # each its own
+        # Up to batch_size calls of the same reference, in queue order; the other reference's call in between neither
+        # joined the batch nor ended it, and went alone.
+        assert batches() == [["sleep 0.3"], ["1", "2", "3", "4"], ["6"]]
+        stats = pool.stats()
+        assert stats["batches"] == 4 and stats["calls"] == 7 and stats["reason/ok"] == 7
+
+
+def test_a_crash_timeout_or_raise_in_a_batch_answers_each_of_its_calls(batched):
+    batch_ref, batches = batched
+    with VerifierPool([batch_ref], max_workers=1, timeout_s=2.0) as pool:
+        def one_batch(completions):
+            blocker = pool.submit("sleep 0.3", PROMPT)  # the next calls queue up behind it, then go as one batch
+            wait_until(lambda: pool.stats()["running"] == 1)
+            futures = [pool.submit(c, PROMPT) for c in completions]
+            assert blocker.result(timeout=30).reason == "ok"
+            return [f.result(timeout=30).reason for f in futures]  # a call left unanswered fails here
+
+        assert one_batch(["1", "exit", "2"]) == ["crash: exit code 3"] * 3
+        assert one_batch(["1", "stop", "2"]) == ["crash: SystemExit: 4"] * 3
+        assert one_batch(["1", "sleep 30", "2"]) == ["timeout"] * 3
+        assert one_batch(["1", "raise", "2"]) == ["error: ZeroDivisionError: no batch for you"] * 3
+        assert pool.score_sync("7", PROMPT).reward == 7.0  # the replaced worker scores as the first did
+        assert batches()[1::2] == [["1", c, "2"] for c in ("exit", "stop", "sleep 30", "raise")]
+        stats = pool.stats()
+        assert stats["worker_crashes"] == 2 and stats["reason/crash"] == 6 and stats["reason/timeout"] == 3
+        assert stats["reason/error"] == 3 and stats["workers_started"] == 4 and stats["calls"] == 17
