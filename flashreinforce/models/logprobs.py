@@ -19,7 +19,7 @@ def token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each token given the tokens before it, aligned with the tokens.
@@ -28,6 +28,7 @@ def token_logprobs(
         entropies[b, t] = -sum_v p(v) log p(v),  p = softmax(z[b, t-1] / temperature)
         both are 0 at t = 0, and wherever token t or token t-1 is padding
 
+    `temperature` is one for every row, or (B,) one per row (a mixture of tasks sampled at different ones).
     z are the model's logits, upcast to at least fp32 before the softmax. input_ids and attention_mask are
     (B, T); padding may sit on either side (positions count only real tokens). Gradients flow
     through logprobs when called under grad; entropies are always detached (they feed masks and
@@ -40,7 +41,11 @@ def token_logprobs(
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids {tuple(input_ids.shape)}"
         )
-    if not temperature > 0:
+    per_row = isinstance(temperature, torch.Tensor)
+    if per_row and temperature.shape != input_ids.shape[:1]:
+        raise ValueError(f"temperature of shape {tuple(temperature.shape)}: give a number or one per row "
+                         f"({input_ids.shape[0]},)")
+    if not bool(torch.all(torch.as_tensor(temperature) > 0)):
         raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding has no log-probs to recompute)")
     position_ids = None
     if attention_mask is not None:
@@ -56,7 +61,8 @@ def token_logprobs(
     rows = max(1, _CHUNK_ELEMENTS // max(1, T1 * V))
     lp_chunks, ent_chunks = [], []
     for start in range(0, B, rows):
-        z = logits[start : start + rows].to(dtype) / temperature  # (b, T-1, V)
+        scale = temperature[start : start + rows, None, None].to(logits.device, dtype) if per_row else temperature
+        z = logits[start : start + rows].to(dtype) / scale  # (b, T-1, V)
         lse = torch.logsumexp(z, dim=-1)  # (b, T-1)
         lp_chunks.append(z.gather(-1, targets[start : start + rows, :, None]).squeeze(-1) - lse)
         if with_entropy:

@@ -71,6 +71,7 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
         microbatch_tokens=trainer.microbatch_tokens,
         pad_token_id=tokenizer.pad_token_id,
         temperature=config.rollout.temperature,
+        task_temperatures=task_temperatures(config),
         max_new_tokens=max(config.for_task(name).rollout.max_new_tokens for name, _ in config.task_list()),
         overlong=OverlongShaping(algo.overlong.max_length, algo.overlong.cache) if algo.overlong else None,
         wpsm=(WPSMSettings(algo.wpsm.tau, algo.wpsm.eta, algo.wpsm.alpha, algo.wpsm.positive_only)
@@ -82,6 +83,12 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
         sharding=trainer.sharding,
         gradient_checkpointing=trainer.gradient_checkpointing,
     )
+
+
+def task_temperatures(config: RunConfig) -> dict[str, float] | None:
+    """Each task's sampling temperature when a mixture's tasks sample at different ones, else None (one for all)."""
+    temperatures = {name: config.for_task(name).rollout.temperature for name, _ in config.task_list()}
+    return temperatures if len(set(temperatures.values())) > 1 else None
 
 
 def build_rank_trainer(config: RunConfig, model, tokenizer, group: RankGroup) -> Trainer:

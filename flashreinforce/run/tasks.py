@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashreinforce.config import RunConfig
-from flashreinforce.data import arithmetic, tool_multiply
+from flashreinforce.data import arithmetic, instructions, tool_multiply
 from flashreinforce.envs import text_game
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.envs.traces import trace_row
@@ -71,6 +71,23 @@ def _tool_multiply_examples(config: RunConfig, tokenizer: Any, train: list[Promp
     return examples
 
 
+def _instructions_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
+    settings = config.data.instructions
+    return instructions.make_instructions_splits(settings.num_train, settings.num_eval, seed=settings.seed,
+                                                 constraints=settings.constraints,
+                                                 constraint_weights=settings.constraint_weights)
+
+
+def _instructions_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) -> list[Example]:
+    """Answers that violate each constraint with probability data.instructions.violation_rate."""
+    episodes, rng = TextEpisodes(tokenizer), random.Random(config.seed)
+    rate = config.data.instructions.violation_rate
+    return [(episodes.prompt_ids(item),
+             [*tokenizer.encode(instructions.demonstration(item, rng, rate), add_special_tokens=False),
+              tokenizer.eos_token_id])
+            for item in train]
+
+
 def _text_game_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
     settings = config.data.text_game
     options = {"rooms": settings.rooms, "locked_doors": settings.locked_doors, "distractors": settings.distractors}
@@ -98,4 +115,5 @@ TASKS: dict[str, Task] = {
     "tool_multiply": Task(tool_multiply.ALPHABET, tool_multiply.SPECIAL_TOKENS, _tool_multiply_splits,
                           _tool_multiply_examples),
     "text_game": Task(text_game.TEXT_GAME_ALPHABET, (), _text_game_splits, _text_game_examples),
+    "instructions": Task(instructions.ALPHABET, (), _instructions_splits, _instructions_examples),
 }

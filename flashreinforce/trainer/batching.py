@@ -12,7 +12,7 @@ Every per-token tensor stays aligned with input_ids: column j describes token j.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -34,6 +34,7 @@ class TrainBatch:
     response_lengths: torch.Tensor  # (B,) long: tokens after the prompt, trained or not (masking shortens no row)
     modalities: tuple[str, ...]
     task_ids: torch.Tensor | None = None  # (B,) long: rows of the same task share an id (a mixture's baseline)
+    temperatures: torch.Tensor | None = None  # (B,) float32: each row's sampling temperature; None: the trainer's
     stale_context: torch.Tensor | None = None  # (B,) bool: some token sampled over KV of older weights
     routes: torch.Tensor | None = None  # (B, T, layers, k) int16 MoE routes of the rollout, -1 none; None: dense
 
@@ -95,8 +96,11 @@ class TrainBatch:
             start = stop
 
 
-def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch:
-    """Pad trajectories into one batch. Raises ValueError for a row with no policy tokens."""
+def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
+            task_temperatures: Mapping[str, float] | None = None) -> TrainBatch:
+    """Pad trajectories into one batch. Raises ValueError for a row with no policy tokens. `task_temperatures`
+    (task name -> its sampling temperature, when a mixture's tasks sample at different ones) gives each row its
+    own in `temperatures`."""
     if not trajectories:
         raise ValueError("cannot build a training batch from zero trajectories")
     width = max(len(t.tokens) for t in trajectories)
@@ -133,6 +137,8 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch
         response_lengths=torch.tensor([t.response_length for t in trajectories], dtype=torch.long),
         modalities=tuple(t.prompt.modality for t in trajectories),
         task_ids=_index(t.prompt.task for t in trajectories),
+        temperatures=(torch.tensor([task_temperatures[t.prompt.task] for t in trajectories], dtype=torch.float32)
+                      if task_temperatures is not None else None),
         stale_context=torch.tensor([t.stale_context for t in trajectories], dtype=torch.bool),
         routes=_collate_routes(trajectories, width),
     )

@@ -93,6 +93,7 @@ class Trainer:
         microbatch_tokens: int | None = None,
         pad_token_id: int,
         temperature: float,
+        task_temperatures: Mapping[str, float] | None = None,
         max_new_tokens: int,
         overlong: OverlongShaping | None = None,
         wpsm: WPSMSettings | None = None,
@@ -111,7 +112,9 @@ class Trainer:
         `device`: where the model computes (moved there here). In a process that joined a torch.distributed
         group (trainer/distributed.py) this is one data-parallel rank: `step` gets the whole batch on every
         rank and the ranks' weights stay identical; `sharding="fsdp"` shards them instead (trainer/sharding.py).
-        `gradient_checkpointing`: keep each layer's input only and recompute the layer in the backward pass."""
+        `gradient_checkpointing`: keep each layer's input only and recompute the layer in the backward pass.
+        `task_temperatures`: each task's sampling temperature when a mixture's tasks sample at different ones (every
+        row's log-probs are recomputed at its own); None: every row at `temperature`."""
         if loss not in LOSSES:
             raise ValueError(f"algo.loss={loss!r} is not a known loss; choose one of {sorted(LOSSES)}")
         if sharding not in SHARDINGS:
@@ -145,6 +148,7 @@ class Trainer:
         self.microbatch_tokens = microbatch_tokens
         self.pad_token_id = pad_token_id
         self.temperature = temperature
+        self.task_temperatures = task_temperatures
         self.max_new_tokens = max_new_tokens
         self.overlong = overlong
         self.wpsm = wpsm
@@ -182,7 +186,7 @@ class Trainer:
         # default recipe) and let a token budget pack them. Normalization is global, so the order of rows
         # changes nothing but float rounding.
         trajectories = sorted(trajectories, key=lambda t: len(t.tokens))
-        batch = collate(trajectories, self.pad_token_id).to(self.device)
+        batch = collate(trajectories, self.pad_token_id, self.task_temperatures).to(self.device)
         targets = self._targets(batch)  # on the whole batch, on every rank
         self.model.train()
         self.model.zero_grad(set_to_none=True)  # the model's, not only the masters': a failed step's bf16 grads
@@ -266,16 +270,20 @@ class Trainer:
     def _idle_backward(self, micro: TrainBatch) -> None:
         """A pass whose loss is 0, so that a sharded rank with fewer microbatches than its peers still joins
         their gathers and reduce-scatters; it adds nothing to any gradient."""
-        logprobs, _ = token_logprobs(self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature,
-                                     with_entropy=False)
+        logprobs, _ = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
+                                     temperature=self._temperature(micro), with_entropy=False)
         (logprobs.sum() * 0.0).backward()
+
+    def _temperature(self, micro: TrainBatch) -> float | torch.Tensor:
+        """The temperature each row was sampled at: one for all, or per row in a mixture of several."""
+        return self.temperature if micro.temperatures is None else micro.temperatures
 
     def _policy_forward(self, micro: TrainBatch, tally: _Tally) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and entropies; an MoE rollout's routes are replayed (R3) or, with replay off,
         compared with the trainer's own choice (mismatch/route_disagreement either way)."""
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
-            return token_logprobs(self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature,
-                                  with_entropy=True)
+            return token_logprobs(self.model, micro.input_ids, micro.attention_mask,
+                                  temperature=self._temperature(micro), with_entropy=True)
         if micro.routes is None:
             return forward()
         if self.router_replay:

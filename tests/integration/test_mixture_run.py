@@ -45,3 +45,21 @@ def test_a_mixture_trains_both_tasks_by_weight_and_reports_each(mix_run, tmp_pat
         main(["eval", str(run), "--data", str(rows)])
     main(["eval", str(run), "--data", str(rows), "--task", "sums", "--k", "1", "--json", str(tmp_path / "file.json")])
     assert json.loads((tmp_path / "file.json").read_text())["num_prompts"] == 1
+
+
+def test_tasks_sampling_at_different_temperatures_are_each_recomputed_at_their_own(tiny_run, tmp_path):
+    """Task `cold` samples at 0.5 and `warm` at 1.0; the trainer recomputes each row's log-probs at its task's
+    temperature, so the first (on-policy, fp32) step's mismatch between sampler and trainer is rounding for both.
+    At one temperature for all, cold's rows would be off by the temperature (k3 of order 0.1, not 1e-6)."""
+    arithmetic = "data: {kind: arithmetic, arithmetic: {num_train: 200, num_eval: 4}}"
+    tasks = (f"tasks={{cold: {{{arithmetic}, rollout: {{temperature: 0.5}}}}, warm: {{{arithmetic}}}}}")
+    overrides = [o for o in tiny_run if not o.startswith(("data.", "eval."))]
+    run = tmp_path / "run"
+    config = load_config(None, [tasks, *overrides, "deterministic=true", "trainer.steps=1", "eval.num_prompts=2",
+                                "eval.k=1"])
+    assert config.for_task("cold").rollout.temperature == 0.5 and config.for_task("warm").rollout.temperature == 1.0
+    run_training(config, run_dir=run)
+    first = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                 if "loss/policy" in line)
+    assert first["task/cold/rows"] > 0 and first["task/warm/rows"] > 0
+    assert first["task/cold/mismatch_k3_kl"] < 1e-4 and first["task/warm/mismatch_k3_kl"] < 1e-4, first

@@ -78,3 +78,24 @@ def test_gradient_flows_through_logprobs_only():
     assert logprobs.requires_grad and not entropies.requires_grad
     logprobs.sum().backward()
     assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_a_temperature_per_row_scores_each_row_at_its_own():
+    """A mixture's tasks may sample at different temperatures: row b at temperature[b] is row b alone at it."""
+    ids = torch.tensor([[0, 1, 2, 2], [1, 0, 1, 2], [2, 2, 0, 1]])
+    temperatures = torch.tensor([0.5, 1.0, 2.0])
+    logprobs, entropies = token_logprobs(bigram(), ids, temperature=temperatures)
+    for row, temperature in enumerate(temperatures.tolist()):
+        alone, alone_entropies = token_logprobs(bigram(), ids[row : row + 1], temperature=temperature)
+        torch.testing.assert_close(logprobs[row : row + 1], alone)
+        torch.testing.assert_close(entropies[row : row + 1], alone_entropies)
+    assert not torch.allclose(logprobs[0], token_logprobs(bigram(), ids[:1])[0][0])  # 0.5 is not 1
+
+
+@pytest.mark.parametrize(("temperature", "message"), [
+    (torch.tensor([1.0, 1.0]), r"temperature of shape \(2,\): give a number or one per row \(3,\)"),
+    (torch.tensor([1.0, 0.0, 1.0]), "must be > 0"),
+])
+def test_a_bad_temperature_per_row_is_refused(temperature, message):
+    with pytest.raises(ValueError, match=message):
+        token_logprobs(bigram(), torch.zeros(3, 4, dtype=torch.long), temperature=temperature)
