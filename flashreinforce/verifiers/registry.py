@@ -181,12 +181,16 @@ def sum_verifier(*, parts: Sequence[Mapping[str, Any]]) -> RewardFn:
     if len(set(names)) < len(names):
         raise ValueError(f"sum: parts {names} repeat a name; give repeated kinds a `name` each")
 
-    def score(completion: str, ground_truth: str, prompt: Prompt) -> Verdict:
-        verdicts = [(name, weight, to_verdict(fn(completion, ground_truth, prompt))) for name, weight, fn in built]
+    def combine(rows: Sequence[Sequence[Any]]) -> Verdict:
+        verdicts = [(name, weight, to_verdict(value)) for (name, weight, _), value in zip(built, rows)]
         failed = next((v.reason for _, _, v in verdicts if not v.passed), None)
         return Verdict(reward=sum(w * v.reward for _, w, v in verdicts), passed=failed is None,
                        reason=failed or "ok", parts=tuple((name, v.reward) for name, _, v in verdicts))
-    return score
+
+    def score_batch(completions: Sequence[str], ground_truths: Sequence[str], prompts: Sequence[Prompt]) -> list:
+        by_part = [score_rows(fn, completions, ground_truths, prompts) for _, _, fn in built]
+        return [combine(row) for row in zip(*by_part)]
+    return _batched_if_any(score_batch, [fn for _, _, fn in built])
 
 
 def route_verifier(*, route: Mapping[str, Any]) -> RewardFn:
@@ -196,11 +200,39 @@ def route_verifier(*, route: Mapping[str, Any]) -> RewardFn:
         raise ValueError("route: empty; map each data_source to a verifier, e.g. {gsm8k: math, ifeval: ifeval}")
     by_source = {source: build_verifier(spec, field=f"route.{source}") for source, spec in route.items()}
 
+    def score_batch(completions: Sequence[str], ground_truths: Sequence[str], prompts: Sequence[Prompt]) -> list:
+        results: list[Any] = [Verdict(reward=0.0, passed=False, reason=f"no_route: {p.data_source}") for p in prompts]
+        for source, fn in by_source.items():
+            rows = [i for i, p in enumerate(prompts) if p.data_source == source]
+            if rows:
+                values = score_rows(fn, [completions[i] for i in rows], [ground_truths[i] for i in rows],
+                                    [prompts[i] for i in rows])
+                for i, value in zip(rows, values):
+                    results[i] = value
+        return results
+    return _batched_if_any(score_batch, list(by_source.values()))
+
+
+def score_rows(fn: RewardFn, completions: Sequence[str], ground_truths: Sequence[str],
+               prompts: Sequence[Prompt]) -> list[Any]:
+    """fn's results for the rows: one score_batch call when fn is batchable, else one call per row."""
+    if callable(getattr(fn, "score_batch", None)):
+        values = list(fn.score_batch(completions, ground_truths, prompts))  # type: ignore[attr-defined]
+        if len(values) != len(prompts):
+            raise ValueError(f"score_batch returned {len(values)} results for {len(prompts)} rows; return one per row")
+        return values
+    return [fn(c, g, p) for c, g, p in zip(completions, ground_truths, prompts)]
+
+
+def _batched_if_any(score_batch: Callable[..., list[Any]], fns: Sequence[RewardFn]) -> RewardFn:
+    """A combinator of verifiers: batchable (at its largest part's batch_size) when one of them is, so a reward
+    model or judge inside a sum or a route still scores a batch at once; else a plain one-row function."""
+    sizes = [batch_size_of(fn) for fn in fns if callable(getattr(fn, "score_batch", None))]
+    if sizes:
+        return BatchedRewardFn(score_batch, max(sizes))
+
     def score(completion: str, ground_truth: str, prompt: Prompt) -> Any:
-        fn = by_source.get(prompt.data_source)
-        if fn is None:
-            return Verdict(reward=0.0, passed=False, reason=f"no_route: {prompt.data_source}")
-        return fn(completion, ground_truth, prompt)
+        return score_batch([completion], [ground_truth], [prompt])[0]
     return score
 
 

@@ -24,6 +24,7 @@ from typing import NoReturn
 
 from flashreinforce.lifetime import describe_error, die_with_parent
 from flashreinforce.types import Prompt, Verdict
+from flashreinforce.verifiers.registry import score_rows
 from flashreinforce.verifiers.rewards import RewardFn, batch_size_of, load_reward_fn, to_verdict
 
 
@@ -64,13 +65,7 @@ def _score(conn: Connection, fn: RewardFn, rows: list[tuple[int, str, str, Promp
     function one row at a time). An exception is an error Verdict for every row of the batch."""
     _, completions, ground_truths, prompts = (list(column) for column in zip(*rows))
     try:
-        if callable(getattr(fn, "score_batch", None)):
-            values = list(fn.score_batch(completions, ground_truths, prompts))  # type: ignore[attr-defined]
-            if len(values) != len(rows):
-                raise ValueError(f"score_batch returned {len(values)} results for {len(rows)} rows; return one per row")
-        else:
-            values = [fn(c, g, p) for c, g, p in zip(completions, ground_truths, prompts)]
-        return [to_verdict(value) for value in values]
+        return [to_verdict(value) for value in score_rows(fn, completions, ground_truths, prompts)]
     except MemoryError as e:
         _crash(conn, e)
     except Exception as e:

@@ -75,3 +75,47 @@ def test_a_spec_travels_to_the_workers_as_a_reference_and_comes_back_the_same_ve
 
 def test_every_registered_factory_names_a_module_and_function():
     assert all(":" in target and target.startswith("flashreinforce.verifiers.") for target in FACTORIES.values())
+
+
+CALLS: list[list[str]] = []
+"""The completions of each score_batch call of `length_verifier`."""
+
+
+def length_verifier(*, batch_size: int = 4):
+    """A batchable test verifier: reward = the completion's length, recording each batch it scores."""
+    from flashreinforce.verifiers.registry import BatchedRewardFn
+
+    def score_batch(completions, ground_truths, prompts):
+        CALLS.append(list(completions))
+        return [float(len(c)) for c in completions]
+    return BatchedRewardFn(score_batch, batch_size)
+
+
+@pytest.fixture
+def batchable_kind(monkeypatch):
+    monkeypatch.setitem(FACTORIES, "length", f"{__name__}:length_verifier")
+    CALLS.clear()
+    return CALLS
+
+
+def test_a_sum_or_route_with_a_batchable_part_scores_a_batch_through_it_at_once(batchable_kind):
+    from flashreinforce.verifiers.registry import batch_size_of, score_rows
+
+    rows = [Prompt(id=f"p{i}", prompt="x", ground_truth="5", data_source=("sums", "text")[i % 2]) for i in range(4)]
+    completions = ["<think>2+3+0=5;</think>5", "ab", "<think>2+3+0=6;</think>6", "abcd"]
+    total = build_verifier({"kind": "sum", "parts": [{"kind": "math", "weight": 1.0},
+                                                     {"kind": "length", "batch_size": 6, "weight": 0.5}]})
+    assert batch_size_of(total) == 6
+    verdicts = score_rows(total, completions, ["5"] * 4, rows)
+    assert batchable_kind == [completions]  # the batchable part saw the four rows in one call
+    assert [v.reward for v in verdicts] == [1.0 + 0.5 * len(c) if i == 0 else 0.5 * len(c)
+                                            for i, c in enumerate(completions)]
+    assert [v.parts for v in verdicts][0] == (("math", 1.0), ("length", float(len(completions[0]))))
+
+    batchable_kind.clear()
+    routed = build_verifier({"route": {"sums": "math", "text": {"kind": "length"}}})
+    assert batch_size_of(routed) == 4
+    values = score_rows(routed, completions, ["5"] * 4, rows)
+    assert batchable_kind == [["ab", "abcd"]]  # only the text rows, together
+    assert [getattr(v, "reward", v) for v in values] == [1.0, 2.0, 0.0, 4.0]
+    assert batch_size_of(build_verifier({"route": {"sums": "math"}})) == 1  # nothing batchable: one row per call
