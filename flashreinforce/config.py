@@ -143,6 +143,9 @@ class InstructionsConfig(_Section):
     without it): at 0.4 the demonstrations meet 60% of the constraints, so RL has something to fix."""
     seed: int = 1234
     """Seed of the generated prompts."""
+    chat: bool = False
+    """Each prompt as one user chat message, rendered by a chat model's template (model.path); else plain text
+    ending with a newline, the tiny model's cue to answer."""
 
     @model_validator(mode="after")
     def _drawable(self) -> InstructionsConfig:
@@ -670,6 +673,9 @@ class RunConfig(_Section):
                 raise ValueError(f"model.path is required with {where}data.kind={task.data.kind} (the built-in tiny "
                                  "model only knows the built-in tasks' tokenizers), e.g. model.path=smollm2-135m-instruct "
                                  "after `flashreinforce models get smollm2-135m-instruct`")
+            if self.model.path is None and task.data.kind == "instructions" and task.data.instructions.chat:
+                raise ValueError(f"{where}data.instructions.chat=true renders prompts with a chat model's template: "
+                                 "set model.path to a chat model, or chat=false for the built-in tiny model")
             task_env = {"tool_multiply": "python_tool", "text_game": "text_game"}.get(task.data.kind)
             if task_env is not None and task.env.kind != task_env:
                 raise ValueError(f"{where}data.kind={task.data.kind} is an agent task: set {where}env.kind={task_env} "

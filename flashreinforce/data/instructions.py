@@ -179,9 +179,11 @@ def make_instructions_splits(
     seed: int,
     constraints: Sequence[str] = CONSTRAINTS,
     constraint_weights: Sequence[float] = (1.0, 1.0, 1.0),
+    chat: bool = False,
 ) -> tuple[list[Prompt], list[Prompt]]:
     """Train and held-out prompts, deterministic from `seed`: held-out prompts are distinct, and no training prompt
-    has a held-out prompt's text (training prompts may repeat among themselves). Ids: "instructions/train/000042"."""
+    has a held-out prompt's text (training prompts may repeat among themselves). Ids: "instructions/train/000042".
+    `chat`: each prompt is one user message (its text without the newline), for a chat model's template."""
     if num_train < 0 or num_eval < 0:
         raise ValueError(f"data.instructions: num_train={num_train}, num_eval={num_eval}; use counts >= 0")
     check_constraints(constraints, constraint_weights)
@@ -199,7 +201,9 @@ def make_instructions_splits(
                                  f"num_eval ({num_eval}) or allow more constraints")
             if distinct:
                 held_out.add(prompt_text(request))
-            items.append(Prompt(id=f"{DATA_SOURCE}/{split}/{i:06d}", prompt=prompt_text(request),
+            text = prompt_text(request)
+            items.append(Prompt(id=f"{DATA_SOURCE}/{split}/{i:06d}",
+                                prompt=({"role": "user", "content": text.rstrip()},) if chat else text,
                                 ground_truth=ground_truth(request), data_source=DATA_SOURCE,
                                 difficulty=float(len(request.constraints))))
         return items
@@ -213,11 +217,12 @@ def make_instructions_splits(
 
 def request_of(item: Prompt) -> Request:
     """The request a prompt of this task states (from its text and its ground truth)."""
-    match = _REQUEST.match(item.prompt) if isinstance(item.prompt, str) else None
+    text = item.prompt if isinstance(item.prompt, str) else item.prompt[-1]["content"]
+    match = _REQUEST.match(text)
     topic = next((plural for plural, (singular, _) in TOPICS.items() if match and match[2] in (plural, singular)),
                  None)
     if match is None or topic is None:
-        raise ValueError(f"prompt {item.id} is {item.prompt!r}, not an instructions prompt like 'Name 2 colors. ...'")
+        raise ValueError(f"prompt {item.id} is {text!r}, not an instructions prompt like 'Name 2 colors. ...'")
     record = json.loads(item.ground_truth)
     constraints = tuple(Constraint(i, kwargs) for i, kwargs in zip(record["instruction_id_list"], record["kwargs"]))
     return Request(topic, int(match[1]), constraints)

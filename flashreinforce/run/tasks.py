@@ -75,7 +75,7 @@ def _instructions_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]
     settings = config.data.instructions
     return instructions.make_instructions_splits(settings.num_train, settings.num_eval, seed=settings.seed,
                                                  constraints=settings.constraints,
-                                                 constraint_weights=settings.constraint_weights)
+                                                 constraint_weights=settings.constraint_weights, chat=settings.chat)
 
 
 def _instructions_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) -> list[Example]:

@@ -51,3 +51,27 @@ def test_the_multitask_recipe_trains_its_three_tasks_and_reports_each(tmp_path):
     assert {s["prompt_id"].split("/", 1)[0] for s in samples} <= {"sums", "tool", "follow"}
     follow = [s for s in samples if s["prompt_id"].startswith("follow/")]
     assert all(s["reason"] == "ok" or s["reason"].startswith(("failed: ", "no_answer")) for s in follow)
+
+
+@pytest.mark.reasoning_gym
+def test_the_real_model_multitask_recipe_runs_a_step_of_both_tasks(tmp_path):
+    """smollm2_multitask cut down: SmolLM2-135M-Instruct on reasoning-gym arithmetic and chat-message IFEval
+    prompts; both tasks sampled, trained and evaluated with their own verifiers."""
+    pytest.importorskip("reasoning_gym", reason="needs the reasoning-gym extra: pip install -e '.[reasoning-gym]'")
+    from flashreinforce.models import store
+
+    cached = store.find("smollm2-135m-instruct")
+    if cached.problem is not None:
+        pytest.skip(f"needs the converted model ({cached.path} {cached.problem}): run "
+                    "`flashreinforce models get smollm2-135m-instruct` first")
+    config = load_config("smollm2_multitask", [
+        "tasks.arith.data.reasoning_gym.num_train=32", "tasks.arith.data.reasoning_gym.num_eval=4",
+        "tasks.follow.data.instructions.num_train=32", "tasks.follow.data.instructions.num_eval=4",
+        "scheduler.batch_groups=4", "rollout.max_batch_size=8", "rollout.max_new_tokens=24", "trainer.steps=1",
+        "trainer.microbatch_size=4", "trainer.checkpoint_every=1", "eval.num_prompts=2", "log.progress=false",
+        "log.tensorboard=false", "verifier.min_workers=1", "verifier.max_workers=1"])
+    run = tmp_path / "run"
+    summary = run_training(config, run_dir=run)
+    assert summary["optimizer_steps"] == 1 and set(summary["tasks"]) == {"arith", "follow"}
+    step = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "loss/policy" in line)
+    assert step["task/arith/rows"] == 2 and step["task/follow/rows"] == 2

@@ -49,3 +49,15 @@ def test_a_prompt_states_what_its_ground_truth_holds():
     for item in data.eval:
         request = request_of(item)
         assert item.prompt.startswith(f"Name {request.count} ") and len(request.constraints) == item.difficulty
+
+
+def test_chat_prompts_are_one_user_message_of_the_same_request_and_need_a_chat_model():
+    plain = load_data(load_config("instructions", SMALL)).eval
+    config = load_config(None, ["model.path=some/chat-model", "data.kind=instructions", *SMALL,
+                                "data.instructions.chat=true"])
+    chat = load_data(config).eval
+    assert [p.prompt for p in chat] == [({"role": "user", "content": p.prompt.rstrip("\n")},) for p in plain]
+    assert [p.ground_truth for p in chat] == [p.ground_truth for p in plain]
+    assert all(request_of(c) == request_of(p) for c, p in zip(chat, plain))
+    with pytest.raises(ValueError, match="data.instructions.chat=true renders prompts with a chat model's template"):
+        load_config("instructions", ["data.instructions.chat=true"])
