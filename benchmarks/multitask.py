@@ -1,8 +1,9 @@
 """The `multitask` recipe against each of its tasks trained alone: does training them together cost any task?
 
 Runs the shipped `multitask` recipe (arithmetic reasoning, the tool_multiply agent and instruction following in
-one run), then each task alone: the same recipe with only that task in `tasks:`, the same model, warm-start
-settings, batch, learning rate and evaluation. What "the same budget" means is --budget:
+one run), then each task alone: the same recipe with only that task in `tasks:`, starting from the mixture's warm start
+(its SFT checkpoint, so "before" is the same model on the same held-out prompts), with the same batch, learning
+rate and evaluation. What "the same budget" means is --budget:
 - rows (default): an alone run trains as many prompts of its task as the mixture did, steps x the task's share
   of the weights (sums 150 steps, tool 75, follow 75 beside the mixture's 300): the same exposure, so the
   difference is what sharing the model with the other tasks did;
@@ -57,8 +58,9 @@ class Score:
     wall_seconds: float
 
 
-def alone(config: RunConfig, name: str, budget: str) -> RunConfig:
-    """The recipe with only task `name`, trained for the same rows of it or the same steps (--budget)."""
+def alone(config: RunConfig, name: str, budget: str, warm_start: Path) -> RunConfig:
+    """The recipe with only task `name`, from the mixture's warm start, trained for the same rows of it or the
+    same steps (--budget)."""
     weights = {n: task.weight for n, task in config.task_list()}
     steps = config.trainer.steps
     if budget == "rows":
@@ -66,6 +68,7 @@ def alone(config: RunConfig, name: str, budget: str) -> RunConfig:
     raw = config.model_dump()
     raw["tasks"] = {name: raw["tasks"][name]}
     raw["trainer"]["steps"] = steps
+    raw["model"]["path"], raw["sft"]["steps"] = str(warm_start), 0
     raw["name"] = f"{config.name}-{name}-alone"
     return RunConfig.model_validate(raw)
 
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", choices=("rows", "steps"), default="rows")
     parser.add_argument("--only", choices=("all", "mixture", "alone"), default="all")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--warm-start", type=Path, help="the alone runs' starting model (default: the mixture "
+                        "run's SFT checkpoint, OUT/multitask/sft)")
     parser.add_argument("--json", type=Path, help="also write the rows and the machine here")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run, key=value")
     args = parser.parse_args(argv)
@@ -97,13 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     print(machine.describe())
     config = load_config("multitask", [*(QUICK if args.quick else []), *args.overrides,
                                        "log.progress=false"])
-    runs = [("mixture", config)] if args.only != "alone" else []
-    if args.only != "mixture":
-        runs += [("alone", alone(config, name, args.budget)) for name, _ in config.task_list()]
     rows: list[Score] = []
-    for kind, run_config in runs:
-        summary = run_training(run_config, run_dir=args.out / run_config.name)
-        rows += scores(kind, run_config, summary)
+    if args.only != "alone":
+        rows += scores("mixture", config, run_training(config, run_dir=args.out / config.name))
+    warm_start = args.warm_start or args.out / config.name / "sft"
+    for name, _ in config.task_list() if args.only != "mixture" else ():
+        run_config = alone(config, name, args.budget, warm_start)
+        rows += scores("alone", run_config, run_training(run_config, run_dir=args.out / run_config.name))
     print(table(rows))
     machine.warn_if_busy()
     if args.json:
