@@ -49,6 +49,9 @@ class Prompt:
     """Optional known difficulty (e.g. digit count); benchmarks use it to measure scheduler bias."""
     task: str = ""
     """The task of a mixture run it belongs to (its id then starts with "<task>/"); "" in a one-task run."""
+    images: tuple[bytes, ...] = ()
+    """Encoded images (PNG, JPEG, ...), one per IMAGE_TOKEN placeholder of the text, in order. Kept encoded: they
+    are decoded when a request or a training row reads them, never stored as pixels."""
 
 
 class RolloutKey(NamedTuple):
@@ -158,6 +161,8 @@ class Generation:
     stale_context: bool = False
     """Some token was sampled while the KV cache held positions read by older weights (an in-flight weight
     update): its behavior log-prob is not what its own version's weights give for the whole row."""
+    images: tuple[bytes, ...] = ()
+    """The prompt's encoded images (its image tokens are in prompt_ids): a resume reads them again."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -96,6 +96,26 @@ def mix_run() -> list[str]:
     return list(MIX_RUN)
 
 
+VISION_RUN = [
+    "vision",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_layers=1",
+    "model.tiny.num_heads=2",
+    "model.tiny.vision={image_size: 32, patch_size: 8, width: 16, num_layers: 1, num_heads: 2, merge: 1}",
+    "data.vision.num_train=300",
+    "data.vision.num_eval=16",
+    "data.vision.image_size=32",
+    *(o for o in TINY_RUN if o.startswith(("sft.", "rollout.max_batch_size", "scheduler.", "trainer.", "eval.",
+                                           "log.", "verifier."))),
+]
+"""The vision recipe (its tiny encoder reads 32x32 pictures as 16 image tokens), small enough for a test."""
+
+
+@pytest.fixture
+def vision_run() -> list[str]:
+    return list(VISION_RUN)
+
+
 MOE_RUN = [*TINY_RUN, "model.tiny.num_experts=4", "precision.trainer=bf16", "precision.rollout=bf16",
            "precision.mode=unified"]
 """The tiny run on a Qwen2-MoE model (routes recorded and replayed) with unified bf16 numerics."""

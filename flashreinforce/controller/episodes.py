@@ -62,6 +62,13 @@ class TaskRoute:
         return self.renderer is not None
 
 
+def opening_row(request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                images: tuple[bytes, ...] = ()) -> Generation:
+    """A request's row before its first token: submitted as a prefix, it starts the request like a fresh one."""
+    return Generation(request_id=request_id, prompt_ids=tuple(prompt_ids), token_ids=(), behavior_logprobs=(),
+                      policy_versions=(), loss_mask=(), finish_reason="abort", params=params, images=images)
+
+
 def last_turn(generation: Generation) -> tuple[int, ...]:
     """The ids sampled after the last forced token: the turn that just ended."""
     forced = [j for j, m in enumerate(generation.loss_mask) if m == 0]
@@ -157,7 +164,13 @@ class EpisodeBackend:
         if prefix is not None:
             self._continue(prefix)
         elif not self.tasks[prompt.task].multi_turn:
-            self.inner.submit(request_id, self._single_turn_ids(prompt, tuple(hint_ids)), params)
+            ids = self._single_turn_ids(prompt, tuple(hint_ids))
+            # Images travel with the request's row (Generation.images), so that every resume brings them back.
+            opening = opening_row(request_id, ids, params, prompt.images) if prompt.images else None
+            self.inner.submit(request_id, ids, params, prefix=opening)
+        elif prompt.images:
+            raise ValueError(f"prompt {prompt.id} has images, and its task {prompt.task or '(the run)'} runs an "
+                             "environment: images in multi-turn episodes are not supported yet")
         else:
             seed = params.seed if params.seed is not None else 0
             self._run_env(request_id, self._reset(request_id, prompt, seed, tuple(hint_ids)))

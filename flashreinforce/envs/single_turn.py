@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from flashreinforce.models.image_tokens import ImagePlaceholders
 from flashreinforce.types import (
     FORCED_VERSION,
     Generation,
@@ -23,8 +24,10 @@ from flashreinforce.types import (
 class TextEpisodes:
     """Renders prompts and completions with one tokenizer."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, images: ImagePlaceholders | None = None) -> None:
+        """`images`: how the policy reads images (None: it reads none, and a prompt with images is an error)."""
         self.tokenizer = tokenizer
+        self.images = images
         self._drop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
 
     def prompt_ids(self, prompt: Prompt, hint_ids: Sequence[int] = ()) -> list[int]:
@@ -40,7 +43,16 @@ class TextEpisodes:
                                                           tokenize=True, return_dict=True)["input_ids"])
         if not ids:
             raise ValueError(f"prompt {prompt.id} renders to zero tokens")
-        return [*ids, *hint_ids]
+        return [*self._with_images(prompt, ids), *hint_ids]
+
+    def _with_images(self, prompt: Prompt, ids: list[int]) -> list[int]:
+        """The placeholders expanded to each image's run of image tokens (the one place that happens)."""
+        if self.images is None:
+            if prompt.images:
+                raise ValueError(f"prompt {prompt.id} has {len(prompt.images)} images but the model reads none: "
+                                 "set model.tiny.vision, or use a vision-language model.path")
+            return ids
+        return self.images.expand(ids, prompt.images, where=f"prompt {prompt.id}")
 
     def completion_text(self, generation: Generation) -> str:
         """What the verifier reads: the response without EOS / padding tokens."""

@@ -126,11 +126,18 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
-    """Load a causal LM saved with `save_pretrained` from a local directory (never the network)."""
+    """Load a causal LM saved with `save_pretrained` from a local directory (never the network); a folder with
+    our vision encoder beside the LM (models/vision.py) loads as the VisionLM of both."""
+    from flashreinforce.models.hf_vision import is_hf_vision_dir, load_hf_vision_lm
+    from flashreinforce.models.vision import is_vision_dir, load_vision_lm
+
     path = check_model_dir(path)
-    return AutoModelForCausalLM.from_pretrained(
+    if is_hf_vision_dir(path):
+        return load_hf_vision_lm(path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
         path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, local_files_only=True
     )
+    return load_vision_lm(path, model) if is_vision_dir(path) else model
 
 
 def model_dir_problem(path: Path) -> tuple[Path, str] | None:

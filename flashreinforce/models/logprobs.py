@@ -7,6 +7,9 @@ nothing about losses or sampling.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from transformers import PreTrainedModel
 
@@ -21,6 +24,7 @@ def token_logprobs(
     *,
     temperature: float | torch.Tensor = 1.0,
     with_entropy: bool = True,
+    images: Sequence[Sequence[bytes]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each token given the tokens before it, aligned with the tokens.
 
@@ -29,6 +33,8 @@ def token_logprobs(
         both are 0 at t = 0, and wherever token t or token t-1 is padding
 
     `temperature` is one for every row, or (B,) one per row (a mixture of tasks sampled at different ones).
+    `images`: each row's encoded images, for a model that reads them (models/vision.py); its image tokens are
+    banned from the distribution as the engine bans them from sampling, and get log-prob 0 (they are prompt).
     z are the model's logits, upcast to at least fp32 before the softmax. input_ids and attention_mask are
     (B, T); padding may sit on either side (positions count only real tokens). Gradients flow
     through logprobs when called under grad; entropies are always detached (they feed masks and
@@ -51,10 +57,14 @@ def token_logprobs(
     if attention_mask is not None:
         # Positions count real tokens only, as in the engine, so left padding works too.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, T)
+    image_kwargs = image_arguments(model, images)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **image_kwargs
     ).logits[:, :-1]  # (B, T-1, V): logits[:, t] predicts input_ids[:, t+1]
     targets = input_ids[:, 1:]  # (B, T-1)
+    banned = list(getattr(model, "banned_token_ids", ()))
+    if banned:
+        logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
 
     B, T1, V = logits.shape
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16/fp16 -> fp32; fp64 stays fp64
@@ -70,6 +80,8 @@ def token_logprobs(
                 p = (z - lse[..., None]).exp()  # (b, T-1, V)
                 ent_chunks.append(-torch.xlogy(p, p).sum(-1))  # xlogy: 0 log 0 = 0
     logprobs = torch.nn.functional.pad(torch.cat(lp_chunks), (1, 0))  # (B, T)
+    if banned:  # banned targets are image tokens of the prompt: -inf under the banned distribution, never trained
+        logprobs = logprobs.masked_fill(torch.isin(input_ids, torch.tensor(banned, device=input_ids.device)), 0.0)
     entropies = torch.nn.functional.pad(torch.cat(ent_chunks), (1, 0)) if with_entropy else None
     if attention_mask is not None:
         # A token has a log-prob only if a real token precedes it (this also drops left padding).
@@ -78,3 +90,15 @@ def token_logprobs(
         logprobs = logprobs.masked_fill(~keep, 0.0)
         entropies = entropies.masked_fill(~keep, 0.0) if entropies is not None else None
     return logprobs, entropies
+
+
+def image_arguments(model: Any, images: Sequence[Sequence[bytes]]) -> dict[str, torch.Tensor]:
+    """The forward's image arguments for rows' images, in row order ({} when no row has one). A model without
+    an image input is an error naming the fix, not a silent text-only forward."""
+    flat = [image for row in images for image in row]
+    if not flat:
+        return {}
+    if not hasattr(model, "image_inputs"):
+        raise ValueError(f"{len(flat)} images given to a text-only model ({type(model).__name__}): use a model "
+                         "that reads images (model.tiny.vision, or a vision-language model.path)")
+    return model.image_inputs(flat)

@@ -89,6 +89,8 @@ class _Request:
     """MoE: (positions, layers, top_k) int16, the experts chosen when each position was last read; -1 unread."""
     stale_context: bool = False
     """Weights were loaded while this request held KV: later tokens attend to positions read by older weights."""
+    images: tuple[bytes, ...] = ()
+    """Encoded images whose tokens are in prompt_ids: read at prefill, always (never inline token by token)."""
 
     @property
     def length(self) -> int:
@@ -223,7 +225,10 @@ class Engine:
         # sdpa takes a boolean mask (True = attend); eager adds the mask to the scores.
         self._additive_mask_dtype = model.dtype if config._attn_implementation == "eager" else None
         self._cache = SlotCache(max_batch_size, max_context)
-        self._cache_kwarg = kv_cache_keyword(model)
+        self._cache_kwarg = kv_cache_keyword(getattr(model, "language_model", model))
+        # Image tokens stand for an image's features: sampled, one would have no image behind it (verl #7038).
+        banned = tuple(getattr(model, "banned_token_ids", ()))
+        self._banned = torch.tensor(banned, device=self._device) if banned else None
         self._running: list[_Request] = []  # request i lives in KV slot i
         self._waiting: deque[_Request] = deque()
         self._live: dict[str, _Request] = {}  # running + waiting, by id
@@ -265,12 +270,14 @@ class Engine:
         params: SamplingParams,
         *,
         prefix: Generation | None = None,
+        images: Sequence[bytes] = (),
     ) -> None:
         """Queue a request; it joins the running batch at a later step() when a slot is free.
 
         `prefix` continues a partial generation (or one with forced tokens appended): its tokens,
         log-probs and versions are kept as they are and decoding resumes after its last token. The
-        budget `params.max_new_tokens` counts prefix tokens too.
+        budget `params.max_new_tokens` counts prefix tokens too. `images`: the prompt's encoded images, whose
+        expanded image tokens prompt_ids holds (models/vision.py); a prefix brings its own.
         """
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running or waiting: ids must be unique")
@@ -287,7 +294,10 @@ class Engine:
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
         self._check_ids(f"request {request_id!r} params.stop_token_ids", params.stop_token_ids)
         self._check_stop_strings(request_id, params.stop_strings)
+        images = tuple(images) or (prefix.images if prefix is not None else ())
+        self._check_images(request_id, prompt, images)
         request = self._new_request(request_id, prompt, params, prefix)
+        request.images = images
         self._waiting.append(request)
         self._live[request_id] = request
 
@@ -389,6 +399,22 @@ class Engine:
         if bad:
             raise ValueError(f"{field}: token ids {bad[:5]} are outside the vocabulary [0, {self._vocab_size})")
 
+    def _check_images(self, request_id: str, prompt: tuple[int, ...], images: tuple[bytes, ...]) -> None:
+        image_token = getattr(self.model, "image_token_id", None)
+        if images and image_token is None:
+            raise ValueError(f"request {request_id!r} has {len(images)} images but the engine's model reads none: "
+                             "use a model that reads images (model.tiny.vision, or a vision-language model)")
+        if image_token is None:
+            return
+        expected = sum(self.model.tokens_per_image(images)) if images else 0
+        found = prompt.count(image_token)
+        if found != expected:
+            raise ValueError(f"request {request_id!r}: prompt_ids hold {found} image tokens, its {len(images)} images "
+                             f"need {expected}; render the prompt through models.vision.expand_image_placeholders")
+        if images and prompt[-1] == image_token:
+            raise ValueError(f"request {request_id!r}: the prompt ends with an image; put text after it (the last "
+                             "prompt token is read by the decode step, which sees no image)")
+
     def _check_stop_strings(self, request_id: str, stop_strings: Sequence[str]) -> None:
         if stop_strings and self.tokenizer is None:
             raise ValueError(
@@ -485,6 +511,7 @@ class Engine:
             sampler_state=r.key,
             routes=self._routes_record(r),
             stale_context=r.stale_context,
+            images=r.images,
         )
 
     def _routes_record(self, r: _Request) -> Routes | None:
@@ -512,9 +539,9 @@ class Engine:
         if not admitted:
             return finished
         # Long ones first, so the prefill forward writes one contiguous range of slots.
-        long = [r for r in admitted if r.length - 1 > self.prefill_threshold]
+        long = [r for r in admitted if r.length - 1 > self.prefill_threshold or r.images]
         first = len(self._running)
-        self._running += long + [r for r in admitted if r.length - 1 <= self.prefill_threshold]
+        self._running += long + [r for r in admitted if not (r.length - 1 > self.prefill_threshold or r.images)]
         self._row_tensors = None
         if long:
             self._prefill(first, long)
@@ -528,6 +555,7 @@ class Engine:
         # Right padding under a causal mask: real tokens never see the padding after them.
         causal = torch.ones(L, L, dtype=torch.bool, device=self._device).tril()
         self._cache.plan_prefill(first, len(requests), L)
+        images = [image for r in requests for image in r.images]  # in the order of their placeholders
         self.model(
             input_ids=input_ids,  # (m, L)
             attention_mask=self._attention_mask(causal[None, None].expand(len(requests), 1, L, L)),
@@ -535,6 +563,7 @@ class Engine:
             **{self._cache_kwarg: self._cache},
             use_cache=True,
             logits_to_keep=1,
+            **(self.model.image_inputs(images) if images else {}),
         )
         if self._recorder is not None:
             routes = self._recorder.take().view(len(requests), L, *self._route_shape).numpy()  # (m, L, layers, k)
@@ -596,6 +625,8 @@ class Engine:
                 torch.tensor([r.key for r in self._running], device=self._device),
             )
         temperature, top_k, top_p, keys = self._row_tensors
+        if self._banned is not None:
+            logits = logits.index_fill(-1, self._banned, float("-inf"))
         counters = torch.tensor([len(r.tokens) for r in self._running], device=self._device)  # (n,)
         logprobs = processed_logprobs(logits, temperature, top_k, top_p)  # (n, V)
         tokens = sample(logprobs, counter_uniforms(keys, counters))  # (n,)

@@ -281,6 +281,9 @@ class VllmEngine:
                 or any(g.request_id == request_id for g in self._ready)):
             raise ValueError(f"request {request_id!r} is already running or waiting: ids must be unique")
         prompt = tuple(int(t) for t in prompt_ids)
+        if prefix is not None and prefix.images:
+            raise ValueError(f"request {request_id!r} has images: rollout.engine=vllm does not take image prompts "
+                             "yet; use rollout.engine=local")
         self._check_request(request_id, prompt, params, prefix)
         request = self._new_request(request_id, prompt, params, prefix)
         if request.length >= request.end or self._stopped(request):

@@ -118,10 +118,11 @@ def open_backend(config: RunConfig, policy: Policy, shape: EngineShape,
     return pick_builder(BACKENDS, "backend.kind", config.backend.kind)(config, policy, shape, stack)
 
 
-def build_episodes(config: RunConfig, tokenizer: Any) -> TextEpisodes:
+def build_episodes(config: RunConfig, tokenizer: Any, model: Any = None) -> TextEpisodes:
     """Prompt rendering and decoding, the same for every env.kind: a multi-turn run's environments are built
-    in its EnvPool's workers (build_env_pool), by env.kind through envs.protocol.ENV_KINDS."""
-    return TextEpisodes(tokenizer)
+    in its EnvPool's workers (build_env_pool), by env.kind through envs.protocol.ENV_KINDS. `model`: the policy,
+    whose image placeholders (a model that reads images) prompts' images expand to."""
+    return TextEpisodes(tokenizer, getattr(model, "placeholders", None))
 
 
 def env_specs(config: RunConfig) -> dict[str, EnvSpec]:

@@ -38,8 +38,8 @@ def load_data(config: RunConfig) -> Data:
                 eval=[p for _, held_out in by_task.values() for p in held_out], skipped_rows=skipped, by_task=by_task)
 
 
-def tagged(prompt: Prompt, *, task: str, modality: str) -> Prompt:
-    return replace(prompt, id=f"{task}/{prompt.id}", task=task, modality=modality)
+def tagged(prompt: Prompt, *, task: str, modality: str | None) -> Prompt:
+    return replace(prompt, id=f"{task}/{prompt.id}", task=task, modality=modality or prompt.modality)
 
 
 def load_task_data(config: RunConfig) -> Data:
@@ -53,8 +53,8 @@ def load_task_data(config: RunConfig) -> Data:
     if config.data.kind in ("reasoning_gym", "gsm8k"):
         train, held_out = generated_splits(config)
         return Data(train=train, eval=held_out, skipped_rows=0)
-    train = load_prompts(config.data.train, on_bad_row=config.data.on_bad_row)
-    held_out = load_prompts(config.data.eval, on_bad_row=config.data.on_bad_row)
+    train = load_prompts(config.data.train, on_bad_row=config.data.on_bad_row, max_pixels=config.data.max_pixels)
+    held_out = load_prompts(config.data.eval, on_bad_row=config.data.on_bad_row, max_pixels=config.data.max_pixels)
     return Data(train=train.prompts, eval=held_out.prompts, skipped_rows=len(train.skipped) + len(held_out.skipped))
 
 

@@ -27,6 +27,7 @@ from flashreinforce.rollout.vllm_engine import (
 from flashreinforce.run.data import Data
 from flashreinforce.run.devices import resolve_device
 from flashreinforce.run.policy import Policy, side_numerics, tiny_tokenizer
+from flashreinforce.run.tasks import tiny_placeholders
 from flashreinforce.run.tables import pick_builder
 from flashreinforce.types import Prompt, SamplingParams
 
@@ -180,7 +181,7 @@ def check_tiny_context(config: RunConfig, data: Data) -> None:
     warm start, not after it."""
     if config.model.path is None:
         context = config.model.tiny.max_position_embeddings
-        check_context(engine_shape(config, TextEpisodes(tiny_tokenizer(config)), data, context, version=0, seed=0),
+        check_context(engine_shape(config, TextEpisodes(tokenizer := tiny_tokenizer(config), tiny_placeholders(config, tokenizer)), data, context, version=0, seed=0),
                       context)
 
 

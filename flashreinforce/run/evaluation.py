@@ -76,7 +76,7 @@ def evaluate_checkpoint(request: EvalRequest) -> dict:
                                    top_p=request.top_p, stop_strings=tuple(task.env.stop_strings))
               for name, task in ((name, config.for_task(name)) for name, _ in config.task_list())}
     policy = load_policy(model_dir)
-    episodes = build_episodes(config, policy.tokenizer)
+    episodes = build_episodes(config, policy.tokenizer, policy.model)
     shape = engine_shape(config, episodes, data, model_context(policy.model), version=0, seed=request.seed)
     engine = build_engine(config, policy, shape)
     prompts = data.eval

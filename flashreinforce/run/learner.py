@@ -60,6 +60,7 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
     algo, trainer = config.algo, config.trainer
     device = resolve_device("trainer.device", trainer.device, rank=rank)
     check_fits_gpu(config, model, device)
+    freeze_vision(config, model)
     return Trainer(
         model,
         loss=algo.loss,
@@ -83,6 +84,20 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
         sharding=trainer.sharding,
         gradient_checkpointing=trainer.gradient_checkpointing,
     )
+
+
+def freeze_vision(config: RunConfig, model) -> None:
+    """trainer.freeze_vision on a model that reads images: its encoder's parameters stop requiring gradients, so
+    AdamW never steps them (the weight pushes still carry them, unchanged)."""
+    vision = getattr(model, "vision", None)
+    if vision is None:
+        return
+    if config.trainer.lora is not None:
+        raise ValueError("trainer.lora on a model that reads images is not supported yet: set trainer.lora=null")
+    freeze = config.trainer.freeze_vision
+    if freeze is None:
+        freeze = config.model.path is not None
+    vision.requires_grad_(not freeze)
 
 
 def task_temperatures(config: RunConfig) -> dict[str, float] | None:

@@ -18,6 +18,7 @@ from flashreinforce.metrics.console import Reporter
 from flashreinforce.models import build_char_tokenizer, build_model, load_model
 from flashreinforce.models.tokenizer import load_tokenizer
 from flashreinforce.models.causal_lm import check_model_dir
+from flashreinforce.models.vision import IMAGE_TOKEN, VisionConfig, build_vision_lm
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.run.data import Data
 from flashreinforce.run.models import model_path
@@ -96,6 +97,12 @@ def tiny_policy(config: RunConfig) -> Policy:
                         tiny.max_position_embeddings, pad_token_id=tokenizer.pad_token_id,
                         eos_token_id=tokenizer.eos_token_id, seed=config.seed, num_experts=tiny.num_experts,
                         experts_per_token=tiny.experts_per_token)
+    if tiny.vision is not None:
+        vision = tiny.vision
+        model = build_vision_lm(model, VisionConfig(
+            image_size=vision.image_size, patch_size=vision.patch_size, width=vision.width,
+            num_layers=vision.num_layers, num_heads=vision.num_heads, merge=vision.merge,
+            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)), seed=config.seed)
     return Policy(tokenizer, model)
 
 
@@ -103,7 +110,8 @@ def tiny_tokenizer(config: RunConfig) -> Any:
     """The characters and tag tokens of every built-in task the run trains (in a mixture, all of theirs)."""
     kinds = list(dict.fromkeys(task.data.kind for _, task in config.task_list()))
     alphabet = "".join(dict.fromkeys("".join(TASKS[kind].alphabet for kind in kinds)))
-    special = tuple(dict.fromkeys(token for kind in kinds for token in TASKS[kind].special_tokens))
+    vision = (IMAGE_TOKEN,) if config.model.tiny.vision is not None else ()
+    special = tuple(dict.fromkeys([*(token for kind in kinds for token in TASKS[kind].special_tokens), *vision]))
     return build_char_tokenizer(alphabet, special_tokens=("<pad>", "<eos>", "<unk>", *special))
 
 

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashreinforce.config import RunConfig
-from flashreinforce.data import arithmetic, instructions, tool_multiply
+from flashreinforce.data import arithmetic, instructions, tool_multiply, vision_tasks
 from flashreinforce.envs import text_game
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.envs.traces import trace_row
 from flashreinforce.envs.turns import TurnRenderer
+from flashreinforce.models.image_tokens import IMAGE_TOKEN, ImagePlaceholders
+from flashreinforce.trainer.sft import ImageExample
 from flashreinforce.types import Prompt
 
 Example = tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]
@@ -109,6 +111,34 @@ def _text_game_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) 
     return examples
 
 
+def _vision_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
+    settings = config.data.vision
+    return vision_tasks.make_vision_splits(settings.num_train, settings.num_eval, seed=settings.seed,
+                                           tasks=settings.tasks, image_size=settings.image_size,
+                                           task_weights=settings.task_weights)
+
+
+def tiny_placeholders(config: RunConfig, tokenizer: Any) -> ImagePlaceholders | None:
+    """How the tiny model (model.tiny.vision) reads images: its tokenizer's IMAGE_TOKEN, filled by the encoder's
+    tokens; None for a text-only tiny model."""
+    vision = config.model.tiny.vision
+    if vision is None:
+        return None
+    return ImagePlaceholders(tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                             (vision.image_size // vision.patch_size // vision.merge) ** 2)
+
+
+def _vision_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) -> list[Example]:
+    """Answers that are another of the task's answers with probability sft.answer_error_rate."""
+    episodes = TextEpisodes(tokenizer, tiny_placeholders(config, tokenizer))
+    rng = random.Random(config.seed)
+    return [ImageExample(episodes.prompt_ids(item),
+                         [*tokenizer.encode(vision_tasks.demonstration(item, rng, config.sft.answer_error_rate),
+                                            add_special_tokens=False), tokenizer.eos_token_id],
+                         item.images)
+            for item in train]
+
+
 TASKS: dict[str, Task] = {
     "arithmetic": Task("".join(c for c in arithmetic.ALPHABET if c not in (arithmetic.THINK_OPEN, arithmetic.THINK_CLOSE)),
                        (arithmetic.THINK_OPEN, arithmetic.THINK_CLOSE), _arithmetic_splits, _arithmetic_examples),
@@ -116,4 +146,5 @@ TASKS: dict[str, Task] = {
                           _tool_multiply_examples),
     "text_game": Task(text_game.TEXT_GAME_ALPHABET, (), _text_game_splits, _text_game_examples),
     "instructions": Task(instructions.ALPHABET, (), _instructions_splits, _instructions_examples),
+    "vision": Task(vision_tasks.ALPHABET, (IMAGE_TOKEN,), _vision_splits, _vision_examples),
 }

@@ -117,7 +117,7 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
                stack: contextlib.AsyncExitStack) -> RunParts:
     """Build the run's parts; `stack` closes each one that was opened, whatever fails later. The backend builds
     its own engine, trainer and verifier pool: in this process, or in Ray actors (run/backends.py)."""
-    episodes = build_episodes(config, start.policy.tokenizer)
+    episodes = build_episodes(config, start.policy.tokenizer, start.policy.model)
     shape = engine_shape(config, episodes, data, model_context(start.policy.model), version=start.version,
                          seed=config.seed)
     opened = open_backend(config, start.policy, shape, stack)

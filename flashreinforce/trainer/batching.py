@@ -34,9 +34,11 @@ class TrainBatch:
     response_lengths: torch.Tensor  # (B,) long: tokens after the prompt, trained or not (masking shortens no row)
     modalities: tuple[str, ...]
     task_ids: torch.Tensor | None = None  # (B,) long: rows of the same task share an id (a mixture's baseline)
+    modality_ids: torch.Tensor | None = None  # (B,) long: rows of the same modality share an id (per-modality metrics)
     temperatures: torch.Tensor | None = None  # (B,) float32: each row's sampling temperature; None: the trainer's
     stale_context: torch.Tensor | None = None  # (B,) bool: some token sampled over KV of older weights
     routes: torch.Tensor | None = None  # (B, T, layers, k) int16 MoE routes of the rollout, -1 none; None: dense
+    images: tuple[tuple[bytes, ...], ...] = ()  # each row's encoded images (its prompt's); () when no row has any
 
     @property
     def num_rows(self) -> int:
@@ -63,7 +65,7 @@ class TrainBatch:
                 value = value[index]
                 if value.dim() >= 2:
                     value = value[:, :width]
-            elif isinstance(value, tuple):
+            elif isinstance(value, tuple) and value:
                 value = tuple(value[i] for i in index.tolist()) if isinstance(index, torch.Tensor) else value[index]
             taken[f.name] = value
         return TrainBatch(**taken)
@@ -137,10 +139,12 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         response_lengths=torch.tensor([t.response_length for t in trajectories], dtype=torch.long),
         modalities=tuple(t.prompt.modality for t in trajectories),
         task_ids=_index(t.prompt.task for t in trajectories),
+        modality_ids=_index(t.prompt.modality for t in trajectories),
         temperatures=(torch.tensor([task_temperatures[t.prompt.task] for t in trajectories], dtype=torch.float32)
                       if task_temperatures is not None else None),
         stale_context=torch.tensor([t.stale_context for t in trajectories], dtype=torch.bool),
         routes=_collate_routes(trajectories, width),
+        images=tuple(t.prompt.images for t in trajectories) if any(t.prompt.images for t in trajectories) else (),
     )
 
 

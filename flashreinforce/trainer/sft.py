@@ -6,6 +6,7 @@ It uses the same `token_logprobs` as RL training, so the SFT model and the RL po
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -13,9 +14,18 @@ from flashreinforce.models.logprobs import token_logprobs
 from flashreinforce.trainer.precision import MasterWeights
 
 
+class ImageExample(NamedTuple):
+    """An example whose prompt reads images: prompt_ids hold their expanded image tokens (models/image_tokens.py)."""
+
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    images: tuple[bytes, ...]
+
+
 def sft_warm_start(
     model: torch.nn.Module,
-    examples: Sequence[tuple[Sequence[int], Sequence[int]] | tuple[Sequence[int], Sequence[int], Sequence[int]]],
+    examples: Sequence[tuple[Sequence[int], Sequence[int]] | tuple[Sequence[int], Sequence[int], Sequence[int]]
+                       | ImageExample],
     *,
     steps: int,
     batch_size: int,
@@ -24,7 +34,8 @@ def sft_warm_start(
     pad_token_id: int,
     on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """Train on (prompt_ids, completion_ids[, completion_mask]) examples; returns the loss of each step.
+    """Train on (prompt_ids, completion_ids[, completion_mask]) examples, or ImageExamples; returns the loss of
+    each step.
 
     A completion mask (1 = a target) leaves forced tokens of multi-turn traces (observations) untrained, as
     RL's loss_mask does.
@@ -41,7 +52,8 @@ def sft_warm_start(
     for step in range(steps):
         picks = torch.randint(len(examples), (batch_size,), generator=generator).tolist()
         rows = [(list(examples[i][0]), list(examples[i][1])) for i in picks]
-        masks = [list(examples[i][2]) if len(examples[i]) > 2 else [1] * len(examples[i][1]) for i in picks]
+        masks = [_completion_mask(examples[i]) for i in picks]
+        images = tuple(examples[i].images if isinstance(examples[i], ImageExample) else () for i in picks)
         width = max(len(p) + len(c) for p, c in rows)
         input_ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)  # (B, T)
         attention_mask = torch.zeros((batch_size, width), dtype=torch.bool)
@@ -51,7 +63,8 @@ def sft_warm_start(
             input_ids[row, :n] = torch.tensor(prompt + completion)
             attention_mask[row, :n] = True
             target_mask[row, len(prompt):n] = torch.tensor(mask, dtype=torch.bool)
-        logprobs, _ = token_logprobs(model, input_ids, attention_mask, with_entropy=False)
+        logprobs, _ = token_logprobs(model, input_ids, attention_mask, with_entropy=False,
+                                     images=images if any(images) else ())
         loss = -(logprobs * target_mask).sum() / target_mask.sum()
         model.zero_grad(set_to_none=True)  # the masters' grads are assigned whole by grads_to_masters
         loss.backward()
@@ -62,3 +75,9 @@ def sft_warm_start(
         if on_step is not None:
             on_step(step, losses[-1])
     return losses
+
+
+def _completion_mask(example: tuple) -> list[int]:
+    if isinstance(example, ImageExample) or len(example) == 2:
+        return [1] * len(example[1])
+    return list(example[2])

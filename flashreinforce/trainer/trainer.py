@@ -205,8 +205,9 @@ class Trainer:
         grad_norm, lr = self._optimizer_step()
         metrics = {"optim/grad_norm": grad_norm, "optim/lr": lr, **_batch_metrics(batch, trajectories, targets),
                    **tally.metrics(targets.norm.num_tokens), "time/train_seconds": time.perf_counter() - started,
-                   **tally.task_metrics(list(dict.fromkeys(t.prompt.task for t in trajectories)),
-                                        wpsm=self.wpsm is not None)}
+                   **tally.group_metrics({"task": list(dict.fromkeys(t.prompt.task for t in trajectories)),
+                                          "modality": list(dict.fromkeys(t.prompt.modality for t in trajectories))},
+                                         wpsm=self.wpsm is not None)}
         if self.wpsm is not None:
             metrics["wpsm/flagged_fraction"] = tally.wpsm_flagged / batch.num_rows
         metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
@@ -271,7 +272,7 @@ class Trainer:
         """A pass whose loss is 0, so that a sharded rank with fewer microbatches than its peers still joins
         their gathers and reduce-scatters; it adds nothing to any gradient."""
         logprobs, _ = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
-                                     temperature=self._temperature(micro), with_entropy=False)
+                                     temperature=self._temperature(micro), with_entropy=False, images=micro.images)
         (logprobs.sum() * 0.0).backward()
 
     def _temperature(self, micro: TrainBatch) -> float | torch.Tensor:
@@ -283,7 +284,7 @@ class Trainer:
         compared with the trainer's own choice (mismatch/route_disagreement either way)."""
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             return token_logprobs(self.model, micro.input_ids, micro.attention_mask,
-                                  temperature=self._temperature(micro), with_entropy=True)
+                                  temperature=self._temperature(micro), with_entropy=True, images=micro.images)
         if micro.routes is None:
             return forward()
         if self.router_replay:
@@ -449,9 +450,9 @@ class _Tally:
     """(rows x width) actually fed to the model."""
     real_cells: int = 0
     mismatch: MismatchTally = field(default_factory=MismatchTally)
-    task_rows: list[torch.Tensor] = field(default_factory=list)
-    """(b, 6) per row: task id, entropy sum, loss tokens, k3 sum, admitted by the sequence gate (1 without one),
-    flagged by WPSM (0 without it)."""
+    group_rows: list[torch.Tensor] = field(default_factory=list)
+    """(b, 7) per row: task id, entropy sum, loss tokens, k3 sum, admitted by the sequence gate (1 without one),
+    flagged by WPSM (0 without it), modality id."""
 
     def add(self, micro: TrainBatch, loss: torch.Tensor, stats: Mapping[str, torch.Tensor], logprobs: torch.Tensor,
             entropies: torch.Tensor, flags: torch.Tensor | None = None) -> None:
@@ -473,10 +474,11 @@ class _Tally:
         self.k3_mismatch += float(row_k3.sum())
         flagged = torch.zeros_like(row_k3) if flags is None else flags.to(row_k3)  # WPSM's
         self.wpsm_flagged += int(flagged.sum())
-        if micro.task_ids is not None:
+        if micro.task_ids is not None and micro.modality_ids is not None:
             admitted = stats.get("admitted", torch.ones_like(row_k3)).detach().to(row_k3.dtype)
-            self.task_rows.append(torch.stack([micro.task_ids.to(row_k3), row_entropy, mask.sum(-1).to(row_k3),
-                                               row_k3, admitted, flagged], dim=1).double().cpu())
+            self.group_rows.append(torch.stack([micro.task_ids.to(row_k3), row_entropy, mask.sum(-1).to(row_k3),
+                                                row_k3, admitted, flagged, micro.modality_ids.to(row_k3)],
+                                               dim=1).double().cpu())
 
     @classmethod
     def merged(cls, tallies: Sequence[_Tally]) -> _Tally:
@@ -490,7 +492,7 @@ class _Tally:
                 setattr(total, name, getattr(total, name) + getattr(tally, name))
             for name, chunks in tally.per_row.items():
                 total.per_row.setdefault(name, []).extend(chunks)
-            total.task_rows.extend(tally.task_rows)
+            total.group_rows.extend(tally.group_rows)
             for name, value in tally.scalars.items():
                 total.scalars[name] = total.scalars.get(name, 0.0) + value
         return total
@@ -505,20 +507,25 @@ class _Tally:
         metrics.update({f"loss/{name}": value for name, value in self.scalars.items()})
         return metrics
 
-    def task_metrics(self, task_names: Sequence[str], wpsm: bool = False) -> dict[str, float]:
-        """A mixture's entropy, behavior-policy KL (k3) per token, gate rejections and (with WPSM) flagged rows,
-        per task."""
-        if len(task_names) < 2 or not self.task_rows:
+    def group_metrics(self, names: Mapping[str, Sequence[str]], wpsm: bool = False) -> dict[str, float]:
+        """Entropy, behavior-policy KL (k3) per token, gate rejections and (with WPSM) flagged rows per task of a
+        mixture (names["task"], in task-id order) and per modality (names["modality"]), where there are several:
+        a modality the policy starts to ignore shows as its own entropy collapse."""
+        if not self.group_rows:
             return {}
-        rows, metrics = torch.cat(self.task_rows), {}
-        for index, name in enumerate(task_names):
-            own = rows[rows[:, 0] == index]
-            tokens = max(float(own[:, 2].sum()), 1.0)
-            metrics.update({f"task/{name}/entropy_mean": float(own[:, 1].sum()) / tokens,
-                            f"task/{name}/mismatch_k3_kl": float(own[:, 3].sum()) / tokens,
-                            f"task/{name}/gate_rejected_fraction": float(1 - own[:, 4].mean()) if len(own) else 0.0})
-            if wpsm:
-                metrics[f"task/{name}/wpsm/flagged_fraction"] = float(own[:, 5].mean()) if len(own) else 0.0
+        rows, metrics = torch.cat(self.group_rows), {}
+        for prefix, column in (("task", 0), ("modality", 6)):
+            if len(names[prefix]) < 2:
+                continue
+            for index, name in enumerate(names[prefix]):
+                own = rows[rows[:, column] == index]
+                tokens = max(float(own[:, 2].sum()), 1.0)
+                metrics.update({
+                    f"{prefix}/{name}/entropy_mean": float(own[:, 1].sum()) / tokens,
+                    f"{prefix}/{name}/mismatch_k3_kl": float(own[:, 3].sum()) / tokens,
+                    f"{prefix}/{name}/gate_rejected_fraction": float(1 - own[:, 4].mean()) if len(own) else 0.0})
+                if wpsm:
+                    metrics[f"{prefix}/{name}/wpsm/flagged_fraction"] = float(own[:, 5].mean()) if len(own) else 0.0
         return metrics
 
 

@@ -99,7 +99,7 @@ def _resume_mid_episode(run_dir: Path) -> None:
             shutil.rmtree(newer)
 
 
-@pytest.mark.parametrize("run", ["tiny_run", "agent_run", "moe_run", "mix_run"])
+@pytest.mark.parametrize("run", ["tiny_run", "agent_run", "moe_run", "mix_run", "vision_run"])
 def test_deterministic_kill_and_resume_ends_with_identical_weights(run, request, tmp_path):
     tiny_run = request.getfixturevalue(run)
     _run(_command(tmp_path / "straight", tiny_run, "--deterministic"))

@@ -309,3 +309,22 @@ def _settings(loss, options):
     return dict(loss=loss, loss_options=options, optimizer=OptimizerSettings(
         lr=1e-3, weight_decay=0, betas=(0.9, 0.99), warmup_steps=0, total_steps=1, min_lr_ratio=1, grad_clip=1),
         microbatch_size=4, pad_token_id=0, temperature=1.0, max_new_tokens=8)
+
+
+def test_entropy_kl_and_gate_rejections_are_reported_per_modality():
+    """Rows of two modalities in one batch: the trainer's own figures split by modality, and each modality's mean
+    entropy is its rows' (a modality the policy starts to ignore shows as its own collapse)."""
+    base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
+    rows = [dataclasses.replace(t, prompt=dataclasses.replace(t.prompt, modality="image" if i % 2 else "text"))
+            for i, t in enumerate(_on_policy_batch(base, rows=8, group_size=1))]
+    metrics = _trainer(copy.deepcopy(base), "flashreinforce", microbatch_size=3).step(rows)
+    assert all(metrics[f"modality/{m}/entropy_mean"] > 0 and metrics[f"modality/{m}/mismatch_k3_kl"] < 1e-6
+               and 0 <= metrics[f"modality/{m}/gate_rejected_fraction"] <= 1 for m in ("text", "image"))
+    assert metrics["modality/text/entropy_mean"] != metrics["modality/image/entropy_mean"]
+    one = _trainer(copy.deepcopy(base), "flashreinforce", microbatch_size=3).step(
+        [dataclasses.replace(t, prompt=dataclasses.replace(t.prompt, modality="text")) for t in rows])
+    assert not any(name.startswith("modality/") for name in one)  # one modality: its totals already say it
+    # the token-weighted mean over the modalities is the batch's entropy
+    tokens = {m: sum(t.num_policy_tokens for t in rows if t.prompt.modality == m) for m in ("text", "image")}
+    mixed = sum(metrics[f"modality/{m}/entropy_mean"] * tokens[m] for m in tokens) / sum(tokens.values())
+    assert mixed == pytest.approx(metrics["entropy/mean"], rel=1e-9)
