@@ -1,6 +1,7 @@
 """Images for the policy: our tiny vision encoder in front of a causal LM, and the one placeholder contract.
 
-A prompt's text holds one image token (`<image>`) per attached image. `expand_image_placeholders` turns each into
+A prompt's text holds one image token (`<image>`) per attached image. `expand_image_placeholders`
+(models/image_tokens.py) turns each into
 the run of image tokens the encoder fills (16 for a 64x64 image here), once, when the prompt is rendered to ids;
 the engine and the trainer both read those expanded ids and the same image bytes, so behavior and recomputed
 log-probs describe the same inputs. Text that already holds an expanded run is refused (the double expansion

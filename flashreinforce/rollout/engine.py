@@ -539,9 +539,11 @@ class Engine:
         if not admitted:
             return finished
         # Long ones first, so the prefill forward writes one contiguous range of slots.
-        long = [r for r in admitted if r.length - 1 > self.prefill_threshold or r.images]
+        long, inline = [], []
+        for r in admitted:  # images are read only by a prefill forward: their tokens' embeddings come from pixels
+            (long if r.length - 1 > self.prefill_threshold or r.images else inline).append(r)
         first = len(self._running)
-        self._running += long + [r for r in admitted if not (r.length - 1 > self.prefill_threshold or r.images)]
+        self._running += long + inline
         self._row_tensors = None
         if long:
             self._prefill(first, long)

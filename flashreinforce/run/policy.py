@@ -18,11 +18,11 @@ from flashreinforce.metrics.console import Reporter
 from flashreinforce.models import build_char_tokenizer, build_model, load_model
 from flashreinforce.models.tokenizer import load_tokenizer
 from flashreinforce.models.causal_lm import check_model_dir
-from flashreinforce.models.vision import IMAGE_TOKEN, VisionConfig, build_vision_lm
+from flashreinforce.models.vision import IMAGE_TOKEN, build_vision_lm
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.run.data import Data
 from flashreinforce.run.models import model_path
-from flashreinforce.run.tasks import TASKS
+from flashreinforce.run.tasks import TASKS, tiny_vision_config
 from flashreinforce.trainer.sft import sft_warm_start
 
 
@@ -97,12 +97,9 @@ def tiny_policy(config: RunConfig) -> Policy:
                         tiny.max_position_embeddings, pad_token_id=tokenizer.pad_token_id,
                         eos_token_id=tokenizer.eos_token_id, seed=config.seed, num_experts=tiny.num_experts,
                         experts_per_token=tiny.experts_per_token)
-    if tiny.vision is not None:
-        vision = tiny.vision
-        model = build_vision_lm(model, VisionConfig(
-            image_size=vision.image_size, patch_size=vision.patch_size, width=vision.width,
-            num_layers=vision.num_layers, num_heads=vision.num_heads, merge=vision.merge,
-            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)), seed=config.seed)
+    vision = tiny_vision_config(config, tokenizer)
+    if vision is not None:
+        model = build_vision_lm(model, vision, seed=config.seed)
     return Policy(tokenizer, model)
 
 

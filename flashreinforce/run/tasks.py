@@ -19,6 +19,7 @@ from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.envs.traces import trace_row
 from flashreinforce.envs.turns import TurnRenderer
 from flashreinforce.models.image_tokens import IMAGE_TOKEN, ImagePlaceholders
+from flashreinforce.models.vision import VisionConfig
 from flashreinforce.trainer.sft import ImageExample
 from flashreinforce.types import Prompt
 
@@ -118,14 +119,18 @@ def _vision_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
                                            task_weights=settings.task_weights)
 
 
-def tiny_placeholders(config: RunConfig, tokenizer: Any) -> ImagePlaceholders | None:
-    """How the tiny model (model.tiny.vision) reads images: its tokenizer's IMAGE_TOKEN, filled by the encoder's
-    tokens; None for a text-only tiny model."""
+def tiny_vision_config(config: RunConfig, tokenizer: Any) -> VisionConfig | None:
+    """The tiny model's encoder (model.tiny.vision) with its tokenizer's IMAGE_TOKEN; None for a text-only one."""
     vision = config.model.tiny.vision
     if vision is None:
         return None
-    return ImagePlaceholders(tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-                             (vision.image_size // vision.patch_size // vision.merge) ** 2)
+    return VisionConfig(**vision.model_dump(), image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+
+
+def tiny_placeholders(config: RunConfig, tokenizer: Any) -> ImagePlaceholders | None:
+    """How the tiny model reads images: its IMAGE_TOKEN, filled by the encoder's tokens; None for a text-only one."""
+    vision = tiny_vision_config(config, tokenizer)
+    return None if vision is None else ImagePlaceholders(vision.image_token_id, vision.tokens_per_image)
 
 
 def _vision_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) -> list[Example]:

@@ -23,7 +23,8 @@ from flashreinforce.models.hf_vision import (
     load_hf_vision_lm,
 )
 from flashreinforce.rollout.engine import Engine
-from flashreinforce.types import Generation, SamplingParams
+from engine_rows import max_logprob_gap, recompute, run_to_end
+from flashreinforce.types import SamplingParams
 
 IMAGE_ID, VOCAB = 90, 100
 FAMILIES = ("llava_clip", "llava_siglip", "idefics3", "smolvlm", "internvl")
@@ -79,41 +80,6 @@ def png(seed: int, size: tuple[int, int] = (64, 64)) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-def rows_of(generations: list[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(g.prompt_ids) + len(g.token_ids) for g in generations)
-    ids = torch.zeros(len(generations), width, dtype=torch.long)
-    mask = torch.zeros(len(generations), width, dtype=torch.bool)
-    for row, g in enumerate(generations):
-        tokens = [*g.prompt_ids, *g.token_ids]
-        ids[row, : len(tokens)] = torch.tensor(tokens)
-        mask[row, : len(tokens)] = True
-    return ids, mask
-
-
-def recompute(model, generations: list[Generation], images=None) -> torch.Tensor:
-    ids, mask = rows_of(generations)
-    with torch.no_grad():
-        logprobs, _ = token_logprobs(model, ids, mask, images=images or [g.images for g in generations])
-    return logprobs
-
-
-def max_logprob_gap(model, generations: list[Generation]) -> float:
-    """Largest |behavior - recomputed| over sampled tokens of rows sampled by one version's weights."""
-    recomputed, gap = recompute(model, generations), 0.0
-    for row, g in enumerate(generations):
-        start = len(g.prompt_ids)
-        behavior = torch.tensor(g.behavior_logprobs)
-        gap = max(gap, float((recomputed[row, start : start + len(g.token_ids)] - behavior).abs().max()))
-    return gap
-
-
-def run_to_end(engine: Engine) -> list[Generation]:
-    done = []
-    while engine.has_work:
-        done += engine.step()
-    return sorted(done, key=lambda g: g.request_id)
 
 
 def engine_for(model: HFVisionLM, slots: int, eos=1) -> Engine:

@@ -14,7 +14,8 @@ from flashreinforce.models import build_char_tokenizer, build_model, load_model,
 from flashreinforce.models.image_tokens import IMAGE_TOKEN, expand_image_placeholders
 from flashreinforce.models.vision import VisionConfig, build_vision_lm
 from flashreinforce.rollout.engine import Engine
-from flashreinforce.types import Generation, SamplingParams
+from engine_rows import max_logprob_gap, recompute, rows_of, run_to_end
+from flashreinforce.types import SamplingParams
 
 TOKENIZER = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz: 0123456789",
                                  special_tokens=("<pad>", "<eos>", "<unk>", IMAGE_TOKEN))
@@ -35,37 +36,6 @@ def vision_model(seed: int = 0):
 
 def prompt_ids(model, text: str, images: list[bytes]) -> list[int]:
     return model.placeholders.expand(TOKENIZER.encode(text, add_special_tokens=False), images)
-
-
-def rows_of(generations: list[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(g.prompt_ids) + len(g.token_ids) for g in generations)
-    ids = torch.zeros(len(generations), width, dtype=torch.long)
-    mask = torch.zeros(len(generations), width, dtype=torch.bool)
-    for row, g in enumerate(generations):
-        tokens = [*g.prompt_ids, *g.token_ids]
-        ids[row, : len(tokens)] = torch.tensor(tokens)
-        mask[row, : len(tokens)] = True
-    return ids, mask
-
-
-def max_logprob_gap(model, generations: list[Generation]) -> float:
-    """Largest |behavior - recomputed| over sampled tokens of rows sampled by one version's weights."""
-    ids, mask = rows_of(generations)
-    with torch.no_grad():
-        recomputed, _ = token_logprobs(model, ids, mask, images=[g.images for g in generations])
-    gap = 0.0
-    for row, g in enumerate(generations):
-        start = len(g.prompt_ids)
-        behavior = torch.tensor(g.behavior_logprobs)
-        gap = max(gap, float((recomputed[row, start : start + len(g.token_ids)] - behavior).abs().max()))
-    return gap
-
-
-def run_to_end(engine: Engine) -> list[Generation]:
-    done = []
-    while engine.has_work:
-        done += engine.step()
-    return sorted(done, key=lambda g: g.request_id)
 
 
 def test_placeholders_expand_once_to_each_images_run():
@@ -116,9 +86,7 @@ def test_images_survive_pause_resume_and_a_weight_push():
     generations = run_to_end(engine)
     # Resumed rows re-read their prompt and prefix under the new weights: each token's behavior log-prob is its
     # own version's; the tokens after the resume are version 1's, and match version 1's recompute.
-    ids, mask = rows_of(generations)
-    with torch.no_grad():
-        recomputed, _ = token_logprobs(new, ids, mask, images=[g.images for g in generations])
+    recomputed = recompute(new, generations)
     for row, g in enumerate(generations):
         start = len(g.prompt_ids)
         late = [j for j, v in enumerate(g.policy_versions) if v == 1]
