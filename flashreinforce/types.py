@@ -28,6 +28,10 @@ overran its deadline (the verdict's reason says which)."""
 FORCED_VERSION = -1
 """policy_version of a token that was not sampled (prompt, hint, observation)."""
 
+IMAGE_TOKEN = "<image>"
+"""The placeholder of one image in prompt or observation text (verl's geometry3k layout); models/image_tokens.py
+expands it, and envs check it without torch."""
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -162,7 +166,8 @@ class Generation:
     """Some token was sampled while the KV cache held positions read by older weights (an in-flight weight
     update): its behavior log-prob is not what its own version's weights give for the whole row."""
     images: tuple[bytes, ...] = ()
-    """The prompt's encoded images (its image tokens are in prompt_ids): a resume reads them again."""
+    """Encoded images whose image tokens are in prompt_ids + token_ids, in placeholder order: the prompt's, then
+    each environment observation's. A resume reads them all again."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -250,6 +255,8 @@ class Trajectory:
     """The rollout's MoE routing of `tokens` (R3), None for a dense model."""
     stale_context: bool = False
     """See Generation.stale_context."""
+    images: tuple[bytes, ...] = ()
+    """See Generation.images: every image whose tokens are in `tokens`, the trainer's recompute reads them."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

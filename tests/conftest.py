@@ -116,6 +116,34 @@ def vision_run() -> list[str]:
     return list(VISION_RUN)
 
 
+VISION_AGENT_RUN = [
+    "visual_grid",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_layers=1",
+    "model.tiny.num_heads=2",
+    "model.tiny.vision={image_size: 32, patch_size: 8, width: 16, num_layers: 1, num_heads: 2, merge: 2}",
+    "env.options={max_steps: 4, image_size: 32}",
+    "env.max_turns=4",
+    "env.max_prompt_tokens=32",
+    "env.max_workers=1",
+    "data.visual_grid.num_train=100",
+    "data.visual_grid.num_eval=8",
+    "rollout.max_new_tokens=96",
+    "trainer.microbatch_size=8",
+    "eval.k=1",
+    "log.tensorboard=false",
+    *(o for o in TINY_RUN if o.startswith(("sft.", "rollout.max_batch_size", "scheduler.", "trainer.steps",
+                                           "trainer.checkpoint_every", "eval.num_prompts", "log.progress",
+                                           "verifier."))),
+]
+"""The visual_grid agent recipe (a picture every turn: 32x32, 4 image tokens each), small enough for a test."""
+
+
+@pytest.fixture
+def vision_agent_run() -> list[str]:
+    return list(VISION_AGENT_RUN)
+
+
 MOE_RUN = [*TINY_RUN, "model.tiny.num_experts=4", "precision.trainer=bf16", "precision.rollout=bf16",
            "precision.mode=unified"]
 """The tiny run on a Qwen2-MoE model (routes recorded and replayed) with unified bf16 numerics."""

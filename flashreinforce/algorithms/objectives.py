@@ -8,6 +8,7 @@ slice's share of a batch figure (already divided by the global token or sequence
 slices. The PPO/GSPO family reports:
     clip_fraction               loss tokens whose gradient the trust-region clip removes
     mismatch/masked_fraction    loss tokens whose mismatch weight is 0 (rejected by TIS/MIS/IcePop/...)
+    mismatch/masked_tokens      per row, how many of its loss tokens that is
     mismatch/weight_mean        mean mismatch weight over loss tokens
     mismatch/kl                 k3 estimate of KL(mu || pi_old): mean of rho - 1 - log rho over loss tokens
     sequence_ratio              per row, GSPO's s_i (gspo, gspo_token, misc only)
@@ -283,6 +284,7 @@ def _finish(
         **stats,
         "clip_fraction": (clipped & x.mask).sum() / n,
         "mismatch/masked_fraction": ((weights == 0) & x.mask).sum() / n,
+        "mismatch/masked_tokens": ((weights == 0) & x.mask).sum(-1),  # (b,): per task and modality in the trainer
         "mismatch/weight_mean": torch.where(x.mask, weights, 0.0).sum() / n,
         "mismatch/kl": rho_terms.sum() / n,
     }

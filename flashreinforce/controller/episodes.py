@@ -11,6 +11,9 @@ step is running comes back as its row so far with the action pending (the step g
 if the episode resumes in this process, and a restored episode replays its actions and steps it again). With
 `lockstep` (deterministic runs) environment results are taken in a fixed order between engine steps, so a
 run is a function of its seed; otherwise each result resubmits its episode the moment it arrives.
+
+Images: the prompt's, then each observation's, ride on the row (Generation.images, in placeholder order), so each
+turn's submit hands the engine every image of the row for its prefill, and partials and checkpoints keep them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any, Literal
 
 from flashreinforce.controller.backend import Backend
 from flashreinforce.envs.pool import EnvOutcome, EnvPool
-from flashreinforce.envs.protocol import StepResult
+from flashreinforce.envs.protocol import StepResult, observation_images
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.envs.turns import TurnRenderer
 from flashreinforce.rollout.engine import append_forced_tokens
@@ -86,7 +89,8 @@ class EpisodeBackend:
         self.inner, self.episodes, self.settings = inner, episodes, settings
         self.pool = pool
         if tasks is None:
-            tasks = {"": TaskRoute(renderer or TurnRenderer(episodes.tokenizer) if pool is not None else None,
+            tasks = {"": TaskRoute(renderer or TurnRenderer(episodes.tokenizer, images=episodes.images)
+                                   if pool is not None else None,
                                    settings.max_turns, settings.reward)}
         if pool is None and any(route.multi_turn for route in tasks.values()):
             raise ValueError("a multi-turn task needs the environment pool")
@@ -168,9 +172,6 @@ class EpisodeBackend:
             # Images travel with the request's row (Generation.images), so that every resume brings them back.
             opening = opening_row(request_id, ids, params, prompt.images) if prompt.images else None
             self.inner.submit(request_id, ids, params, prefix=opening)
-        elif prompt.images:
-            raise ValueError(f"prompt {prompt.id} has images, and its task {prompt.task or '(the run)'} runs an "
-                             "environment: images in multi-turn episodes are not supported yet")
         else:
             seed = params.seed if params.seed is not None else 0
             self._run_env(request_id, self._reset(request_id, prompt, seed, tuple(hint_ids)))
@@ -191,9 +192,10 @@ class EpisodeBackend:
             return outcome
         ids, conversation = self.tasks[prompt.task].renderer.first_prompt(prompt, outcome.value)
         self._states[rid] = EpisodeState(seed=seed, conversation=conversation)
-        return Generation(request_id=rid, prompt_ids=(*ids, *hint_ids), token_ids=(), behavior_logprobs=(),
-                          policy_versions=(), loss_mask=(), finish_reason="abort", params=self._params[rid],
-                          episode=self._states[rid])
+        # The prompt's images, then the reset observation's: they travel with the row (Generation.images), so the
+        # engine reads them at every turn's prefill and a resume brings them back.
+        images = (*prompt.images, *observation_images(outcome.value))
+        return replace(opening_row(rid, (*ids, *hint_ids), self._params[rid], images), episode=self._states[rid])
 
     def _continue(self, partial: Generation) -> None:
         rid, state = partial.request_id, partial.episode
@@ -272,15 +274,16 @@ class EpisodeBackend:
             return self._end(row, "length", "length")
         self._states[rid] = replace(state, conversation=conversation)
         row = append_forced_tokens(replace(row, episode=self._states[rid]), forced)
+        row = replace(row, images=(*row.images, *observation_images(step.observation)))  # in placeholder order
         self.inner.submit(rid, row.prompt_ids, row.params, prefix=row)
 
     def _empty(self, rid: str) -> Generation:
         """A row for an episode whose reset failed: the bare prompt, nothing sampled. It can never be trained:
         the scheduler records its group dropped ("env_error") and the run goes on (GroupBook.keep)."""
-        params = self._params[rid]
-        return Generation(request_id=rid, prompt_ids=tuple(self.episodes.prompt_ids(self._prompts[rid])),
+        params, prompt = self._params[rid], self._prompts[rid]
+        return Generation(request_id=rid, prompt_ids=tuple(self.episodes.prompt_ids(prompt)),
                           token_ids=(), behavior_logprobs=(), policy_versions=(), loss_mask=(),
-                          finish_reason="env_error", params=params,
+                          finish_reason="env_error", params=params, images=prompt.images,
                           episode=EpisodeState(seed=params.seed if params.seed is not None else 0))
 
     def _end(self, row: Generation, end: str, finish: FinishReason, detail: str | None = None) -> None:

@@ -4,7 +4,8 @@ An episode: `reset(prompt, seed)` gives the first observation (appended to the p
 turn's text goes to `step(action)`, whose observation is appended to the same token row as forced tokens,
 until `done` or a budget ends the episode. Environments are deterministic functions of (prompt, seed,
 actions so far): that is what lets a checkpoint hold an in-flight episode as its recorded actions and a
-resume rebuild it by replaying them into a freshly reset environment.
+resume rebuild it by replaying them into a freshly reset environment. An observation may show images
+(ImageObservation: one IMAGE_TOKEN in its text per image); the worker checks them (check_observation).
 
 Environments run in worker processes (envs/pool.py), so everything here must pickle: the options, the
 observations and `info`. `env.kind` names a built-in (ENV_KINDS) or user code, `path/to/my_env.py:MyEnv`.
@@ -14,19 +15,35 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import io
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from flashreinforce.types import Prompt
+from flashreinforce.types import IMAGE_TOKEN, Prompt
 
 Message = dict[str, str]
 """A chat message, {"role": ..., "content": ...}."""
-Observation = str | list[Message]
+
+
+@dataclass(frozen=True)
+class ImageObservation:
+    """An observation that shows images: its text holds one IMAGE_TOKEN per image, where the image goes.
+
+        ImageObservation("<image>move:", (png_bytes,))
+
+    The images are encoded (PNG, JPEG, ...), as Prompt.images, and go into the episode's row in placeholder order
+    after the prompt's and the earlier observations' images."""
+
+    text: str | list[Message]
+    images: tuple[bytes, ...] = ()
+
+
+Observation = str | list[Message] | ImageObservation
 """Plain text, or messages: several tool results of one step are rendered together (one user turn in a
-Qwen-style template, not one per result: slime #2263)."""
+Qwen-style template, not one per result: slime #2263); either one with images, as an ImageObservation."""
 
 
 class StepResult(NamedTuple):
@@ -67,6 +84,7 @@ class EnvSpec:
 ENV_KINDS: dict[str, str] = {
     "python_tool": "flashreinforce.envs.python_tool:PythonToolEnv",
     "text_game": "flashreinforce.envs.text_game:TextGameEnv",
+    "visual_grid": "flashreinforce.envs.visual_grid:VisualGridEnv",
     "textworld": "flashreinforce.envs.textworld_env:TextWorldEnv",
     "alfworld": "flashreinforce.envs.textworld_env:ALFWorldEnv",
 }
@@ -121,7 +139,42 @@ def as_step_result(value: Any, kind: str) -> StepResult:
         return value
     if isinstance(value, tuple) and len(value) == 4:
         observation, reward, done, info = value
-        if isinstance(observation, (str, list)) and isinstance(reward, (int, float)) and isinstance(done, bool):
+        if (isinstance(observation, (str, list, ImageObservation)) and isinstance(reward, (int, float))
+                and isinstance(done, bool)):
             return StepResult(observation, float(reward), done, dict(info or {}))
-    raise TypeError(f"{kind}.step returned {type(value).__name__} {value!r:.120}; it must return "
-                    "(observation: str | list of messages, reward: float, done: bool, info: dict)")
+    raise TypeError(f"{kind}.step returned {type(value).__name__} {value!r:.120}; it must return (observation: "
+                    "str | list of messages | ImageObservation, reward: float, done: bool, info: dict)")
+
+
+def observation_images(observation: Observation) -> tuple[bytes, ...]:
+    """The images an observation shows, in placeholder order (none for plain text or messages)."""
+    return observation.images if isinstance(observation, ImageObservation) else ()
+
+
+def check_observation(observation: Observation, where: str) -> None:
+    """One IMAGE_TOKEN per image, and images (bytes) that decode: else a ValueError (TypeError) naming `where`, the
+    environment and its turn. Run in the worker, so a bad observation is the environment's error, contained like a
+    raise."""
+    text = observation.text if isinstance(observation, ImageObservation) else observation
+    contents = [text] if isinstance(text, str) else [m.get("content", "") for m in text]
+    placeholders = sum(c.count(IMAGE_TOKEN) for c in contents if isinstance(c, str))
+    images = observation_images(observation)
+    if placeholders != len(images):
+        raise ValueError(f"{where}: the observation has {placeholders} {IMAGE_TOKEN} placeholder(s) for {len(images)} "
+                         f"image(s); return ImageObservation(text, images) with one {IMAGE_TOKEN} in the text per "
+                         "image, where it goes")
+    for k, image in enumerate(images):
+        _check_image(image, f"{where}: the observation's image {k}")
+
+
+def _check_image(data: Any, where: str) -> None:
+    """The engine decodes the image only later, at its prefill; a bad one found there would stop the run."""
+    from PIL import Image, UnidentifiedImageError  # lazy: text environments never need it
+
+    if not isinstance(data, bytes):
+        raise TypeError(f"{where} is a {type(data).__name__}; give the encoded bytes (PNG, JPEG, ...)")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()  # the header alone opens; a truncated or corrupt body fails only here
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as e:
+        raise ValueError(f"{where}: {len(data)} bytes that do not decode as an image ({e})") from None

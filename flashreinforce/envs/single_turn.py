@@ -32,14 +32,16 @@ class TextEpisodes:
 
     def prompt_ids(self, prompt: Prompt, hint_ids: Sequence[int] = ()) -> list[int]:
         """Token ids of the prompt, followed by AHRL hint tokens if any."""
+        render = self.images.render if self.images is not None else str
         if isinstance(prompt.prompt, str):
-            ids = self.tokenizer.encode(prompt.prompt, add_special_tokens=False)
+            ids = self.tokenizer.encode(render(prompt.prompt), add_special_tokens=False)
         else:
             if not self.tokenizer.chat_template:
                 raise ValueError(f"prompt {prompt.id} is chat messages but the tokenizer has no chat template; "
                                  "give the tokenizer one (tokenizer.chat_template) or use plain-text prompts")
             # return_dict: one return type across transformers versions (5.x gives a BatchEncoding, not a dict).
-            ids = list(self.tokenizer.apply_chat_template(list(prompt.prompt), add_generation_prompt=True,
+            messages = [{**message, "content": render(message["content"])} for message in prompt.prompt]
+            ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                           tokenize=True, return_dict=True)["input_ids"])
         if not ids:
             raise ValueError(f"prompt {prompt.id} renders to zero tokens")
@@ -88,4 +90,5 @@ def to_trajectory(
         episode=generation.episode,
         routes=generation.routes,
         stale_context=generation.stale_context,
+        images=generation.images,
     )

@@ -2,14 +2,15 @@
 
 A demonstration is a first observation and a list of (turn text, observation after it) pairs. Its row uses
 the same TurnRenderer as the rollouts (first prompt, forced observation tokens), so SFT trains on exactly
-the layout RL later samples in; the target mask is 1 on the model's turns only.
+the layout RL later samples in; the target mask is 1 on the model's turns only. An observation's images are
+expanded where the rollouts expand them; trace_images lists them for the SFT example.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flashreinforce.envs.protocol import Observation
+from flashreinforce.envs.protocol import Observation, observation_images
 from flashreinforce.envs.turns import TurnRenderer
 from flashreinforce.types import Prompt
 
@@ -36,3 +37,12 @@ def trace_row(renderer: TurnRenderer, prompt: Prompt, first_observation: Observa
             completion += forced
             mask += [0] * len(forced)
     return prompt_ids, completion, mask
+
+
+def trace_images(prompt: Prompt, first_observation: Observation,
+                 turns: Sequence[tuple[str, Observation | None]]) -> tuple[bytes, ...]:
+    """The images of trace_row's row, in placeholder order: the prompt's, the first observation's, then those of
+    each observation the row shows (every turn's but the last)."""
+    shown = [observation for _, observation in turns[:-1] if observation is not None]
+    return (*prompt.images, *observation_images(first_observation),
+            *(image for observation in shown for image in observation_images(observation)))

@@ -12,6 +12,10 @@ the turn stopped on a stop string instead. A step's several tool results are ren
 Qwen-style template merges them into one user turn (slime #2263). A template that rewrites earlier turns when
 a message is appended (one that strips old think blocks) cannot be extended this way: it is detected when the
 renderer is built, and said, rather than silently retokenizing.
+
+Images: an observation's placeholders are expanded here, in the new tokens only (the prompt's and the reset
+observation's together, in the first prompt), through the model's ImagePlaceholders, so each placeholder is
+expanded exactly once; text already in the row is never rendered to ids again.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from flashreinforce.envs.protocol import Message, Observation
+from flashreinforce.envs.protocol import ImageObservation, Message, Observation, observation_images
+from flashreinforce.models.image_tokens import ImagePlaceholders
 from flashreinforce.types import Prompt
 
 _PROBE = ({"role": "user", "content": "question"},
@@ -31,12 +36,16 @@ class TemplateNotAppendable(ValueError):
 
 
 def as_messages(observation: Observation, role: str) -> list[Message]:
+    if isinstance(observation, ImageObservation):
+        return as_messages(observation.text, role)
     if isinstance(observation, str):
         return [{"role": role, "content": observation}]
     return [dict(m) for m in observation]
 
 
 def as_text(observation: Observation) -> str:
+    if isinstance(observation, ImageObservation):
+        return as_text(observation.text)
     return observation if isinstance(observation, str) else "\n".join(m["content"] for m in observation)
 
 
@@ -45,12 +54,25 @@ def cut_text(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}\n[... {len(text) - limit} characters cut]"
 
 
+def _limit(observation: Observation, limit: int) -> int | None:
+    """The cut of an observation's text: none when it shows images (a cut could drop a placeholder and leave its
+    image without a place; max_context still bounds the row)."""
+    return None if observation_images(observation) else limit
+
+
+def _cut(text: str, limit: int | None) -> str:
+    return text if limit is None else cut_text(text, limit)
+
+
 class TurnRenderer:
     """Renders first prompts and observations for one tokenizer; chat mode for chat-message prompts."""
 
     def __init__(self, tokenizer: Any, *, role: str = "user", max_observation_chars: int = 4000,
-                 observation_suffix: str = "\n") -> None:
+                 observation_suffix: str = "\n", images: ImagePlaceholders | None = None) -> None:
+        """`images`: how the policy reads images (None: it reads none, and an observation with images is an
+        error naming the fix)."""
         self.tokenizer, self.role, self.max_observation_chars = tokenizer, role, max_observation_chars
+        self.images = images
         self.observation_suffix = observation_suffix
         """Plain text: what follows each observation (and a first observation follows the prompt after a
         newline), so the model reads where its next turn starts."""
@@ -86,12 +108,33 @@ class TurnRenderer:
 
     # ---- the episode's text -----------------------------------------------------------------------------
 
+    def _expand(self, ids: list[int], images: Sequence[bytes], where: str) -> list[int]:
+        """New ids with each placeholder expanded to its image's run of image tokens (the only expansion)."""
+        if self.images is None:
+            if images:
+                raise ValueError(f"{where} has {len(images)} images but the model reads none: set "
+                                 "model.tiny.vision, or use a vision-language model.path")
+            return ids
+        return self.images.expand(ids, images, where=where)
+
+    def _encode(self, text: str) -> list[int]:
+        """Plain text to ids, each IMAGE_TOKEN written the model's way first."""
+        rendered = text if self.images is None else self.images.render(text)
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def _render_messages(self, messages: Sequence[Message], *, generation_prompt: bool) -> list[int]:
+        if self.images is not None:
+            messages = [{**m, "content": self.images.render(m["content"])} for m in messages]
+        return self._render(messages, generation_prompt=generation_prompt)
+
     def first_prompt(self, prompt: Prompt, observation: Observation) -> tuple[list[int], tuple[Message, ...] | None]:
-        """The first turn's prompt ids: the task and the reset observation; the conversation in chat mode."""
-        text = cut_text(as_text(observation), self.max_observation_chars)
+        """The first turn's prompt ids: the task and the reset observation, whose images (the prompt's, then the
+        observation's: `prompt.images + observation_images(observation)`) are expanded here; the conversation in
+        chat mode."""
+        text = _cut(as_text(observation), _limit(observation, self.max_observation_chars))
         if isinstance(prompt.prompt, str):
             first = f"\n{text}{self.observation_suffix}" if text else ""
-            ids = self.tokenizer.encode(prompt.prompt + first, add_special_tokens=False)
+            ids = self._encode(prompt.prompt + first)
             conversation = None
         else:
             if not self.tokenizer.chat_template:
@@ -101,10 +144,11 @@ class TurnRenderer:
                 messages[-1]["content"] = f"{messages[-1]['content']}\n\n{text}"
             elif text:
                 messages.append({"role": "user", "content": text})
-            ids, conversation = self._render(messages, generation_prompt=True), tuple(messages)
+            ids, conversation = self._render_messages(messages, generation_prompt=True), tuple(messages)
         if not ids:
             raise ValueError(f"prompt {prompt.id} renders to zero tokens")
-        return ids, conversation
+        images = (*prompt.images, *observation_images(observation))
+        return self._expand(ids, images, f"prompt {prompt.id} with its reset observation"), conversation
 
     def action_text(self, turn_ids: Sequence[int]) -> str:
         """What the environment reads: the turn's text without end-of-turn / padding tokens."""
@@ -112,17 +156,21 @@ class TurnRenderer:
 
     def observation_ids(self, conversation: tuple[Message, ...] | None, turn_ids: Sequence[int],
                         observation: Observation) -> tuple[list[int], tuple[Message, ...] | None]:
-        """Forced ids that follow the sampled turn `turn_ids`, and the conversation after this step."""
+        """Forced ids that follow the sampled turn `turn_ids`, and the conversation after this step. The
+        observation's images are expanded in these ids only: the conversation before it is never rendered to
+        ids again (its placeholders were expanded when they were new)."""
+        images, limit = observation_images(observation), _limit(observation, self.max_observation_chars)
+        where = "an observation"
         if conversation is None:
-            text = cut_text(as_text(observation), self.max_observation_chars) + self.observation_suffix
-            return self.tokenizer.encode(text, add_special_tokens=False), None
-        messages = [dict(m, content=cut_text(m["content"], self.max_observation_chars))
-                    for m in as_messages(observation, self.role)]
+            ids = self._encode(_cut(as_text(observation), limit) + self.observation_suffix)
+            return self._expand(ids, images, where), None
+        messages = [dict(m, content=_cut(m["content"], limit)) for m in as_messages(observation, self.role)]
         history = [*conversation, {"role": "assistant", "content": self.action_text(turn_ids)}]
-        base = self._render(history, generation_prompt=False)
-        extended = self._render([*history, *messages], generation_prompt=True)
+        base = self._render_messages(history, generation_prompt=False)
+        extended = self._render_messages([*history, *messages], generation_prompt=True)
         if extended[: len(base)] != base:
             raise TemplateNotAppendable(f"the chat template re-rendered earlier turns when {len(messages)} "
                                         f"{self.role!r} message(s) were appended; cannot extend the row")
         closing = [] if turn_ids and turn_ids[-1] in self._drop_ids or self._close_id is None else [self._close_id]
-        return [*closing, *self._separator, *extended[len(base):]], (*history, *messages)
+        new = self._expand(extended[len(base):], images, where)
+        return [*closing, *self._separator, *new], (*history, *messages)

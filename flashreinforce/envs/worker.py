@@ -11,6 +11,8 @@ Protocol (pickled over the socket; the same tuples as an actor's arguments and a
   worker -> pool: ("ready", None) or ("load_error", message) once; ("error", message) instead of "ok" when the
                   environment raised (its session is then closed).
 A step that never returns is the pool's to end: it kills this process and replays the other sessions elsewhere.
+Every observation the model will see is checked here (envs.protocol.check_observation: one <image> per image,
+images that decode), so a bad one is its environment's error, answered as "error" like a raise.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 
-from flashreinforce.envs.protocol import Env, EnvSpec, as_step_result, build_env
+from flashreinforce.envs.protocol import Env, EnvSpec, as_step_result, build_env, check_observation
 from flashreinforce.lifetime import describe_error, die_with_parent
 
 
@@ -50,6 +52,8 @@ class EnvSessions:
     def __init__(self, specs: EnvSpec | EnvSpecs) -> None:
         self.specs = as_specs(specs)
         self.envs: dict[str, tuple[Env, EnvSpec]] = {}
+        self.turns: dict[str, int] = {}
+        """Steps each open session took (replayed ones too): a bad observation's error names its turn."""
 
     def spec_for(self, prompt) -> EnvSpec:
         spec = self.specs.get(prompt.task)
@@ -62,11 +66,13 @@ class EnvSessions:
         """The answer to one message (None for "close", which has none)."""
         kind, sid = message[0], message[1]
         if kind == "close":
+            self.turns.pop(sid, None)
             _close(self.envs.pop(sid, None))
             return None
         try:
             return "ok", self._open(*message[1:]) if kind == "open" else self._step(sid, message[2])
         except Exception as error:  # noqa: BLE001 - an environment's error ends its episode, not the worker
+            self.turns.pop(sid, None)
             _close(self.envs.pop(sid, None))
             return "error", describe_error(error)
 
@@ -76,15 +82,21 @@ class EnvSessions:
         env = build_env(spec)
         self.envs[sid] = env, spec
         observation = env.reset(prompt, seed)
+        check_observation(observation, f"env {spec.kind!r} reset")
         for action in actions:  # deterministic: the same observations the episode saw before
             as_step_result(env.step(action), spec.kind)
+        self.turns[sid] = len(actions)
         return observation
 
     def _step(self, sid: str, action: str) -> object:
         if sid not in self.envs:
             raise RuntimeError(f"session {sid} is not open in this worker")
         env, spec = self.envs[sid]
-        return as_step_result(env.step(action), spec.kind)
+        result = as_step_result(env.step(action), spec.kind)
+        self.turns[sid] += 1
+        if not result.done:  # a final observation is never shown to the model
+            check_observation(result.observation, f"env {spec.kind!r} turn {self.turns[sid]}")
+        return result
 
 
 def _close(opened: tuple[Env, EnvSpec] | None) -> None:

@@ -1,9 +1,10 @@
 """Plots of a run, drawn from metrics.jsonl alone: no torch, no live run needed.
 
 `plot_run(run_dir)` writes plots/{reward,heldout_accuracy,entropy,acceptance_rate,lag_histogram,
-tokens_per_second,mismatch,sequence_kl,rejections}.png, and for a mixture of tasks task_reward and
-task_heldout_accuracy (one curve per task); a plot whose metric a run never logged is skipped and named in the
-return value.
+tokens_per_second,mismatch,sequence_kl,rejections}.png; for a mixture of tasks task_reward and
+task_heldout_accuracy (one curve per task); for batches of several modalities modality_reward, modality_entropy,
+modality_mismatch and modality_rejections (one curve per modality: a modality the policy starts to ignore shows
+as its own entropy collapse). A plot whose metric a run never logged is skipped and named in the return value.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def plot_run(run_dir: Path) -> dict[str, str]:
     rows = read_metrics(run_dir / "metrics.jsonl")
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
-    plots = {**LINE_PLOTS, **_task_plots(rows)}
+    plots = {**LINE_PLOTS, **_task_plots(rows), **_modality_plots(rows)}
     result = {name: _line_plot(rows, names, title, out / f"{name}.png", log=name in LOG_SCALE)
               for name, (names, title) in plots.items()}
     result["lag_histogram"] = _lag_histogram(rows, out / "lag_histogram.png")
@@ -60,6 +61,23 @@ def _task_plots(rows: list[dict]) -> dict[str, tuple[list[str], str]]:
         return {}
     return {"task_reward": ([f"task/{t}/reward_mean" for t in tasks], "training reward per task"),
             "task_heldout_accuracy": ([f"eval/task/{t}/avg@k" for t in tasks], "held-out accuracy per task (%)")}
+
+
+def _modality_plots(rows: list[dict]) -> dict[str, tuple[list[str], str]]:
+    """Batches of several modalities: one curve per modality of reward, entropy, behavior KL and rejections."""
+    keys = {key for row in rows for key in row}
+    tags = sorted({key.split("/")[1] for key in keys if key.startswith("modality/") and key.endswith("/reward_mean")})
+    if not tags:
+        return {}
+    return {
+        "modality_reward": ([f"modality/{m}/reward_mean" for m in tags], "training reward per modality"),
+        "modality_entropy": ([f"modality/{m}/entropy_mean" for m in tags], "mean token entropy per modality (nats)"),
+        "modality_mismatch": ([f"modality/{m}/mismatch_k3_kl" for m in tags],
+                              "behavior-policy KL (k3) per token, per modality"),
+        "modality_rejections": ([f"modality/{m}/{what}" for m in tags
+                                 for what in ("gate_rejected_fraction", "masked_fraction")],
+                                "rows rejected by the gate, tokens masked (IcePop / MISC), per modality"),
+    }
 
 
 def _line_plot(rows: list[dict], names: list[str], title: str, path: Path, *, log: bool) -> str:

@@ -1,20 +1,20 @@
 """Hugging Face vision-language models (AutoModelForImageTextToText) behind the interface of models/vision.py.
 
-Only families whose LM keeps plain 1D RoPE positions and takes its images as `pixel_values` at prefill run here:
-LLaVA (CLIP or SigLIP tower), Idefics3 / SmolVLM (one global image each, no splitting) and InternVL (one tile, no
-cropping). The engine and the trainer pass explicit 1D position ids and 4D causal masks; Qwen2/2.5/3-VL and ERNIE-VL
-need 3D M-RoPE positions (a 1D arange is accepted silently and gives other log-probs), Gemma3 and PaliGemma need
+The families that run here take their images as pixels at prefill, under the engine's explicit position ids and 4D
+causal masks: LLaVA (CLIP or SigLIP tower), Idefics3 / SmolVLM (one global image each, no splitting) and InternVL
+(one tile, no cropping) with plain 1D positions, and Qwen2-VL / Qwen2.5-VL at dynamic resolution with 3D M-RoPE
+positions (`rope_positions`: the model's own get_rope_index over a whole row, which the engine applies at prefill and
+continues at decode from each request's offset, and the trainer applies to its rows). Qwen3-VL and ERNIE-VL lay out
+their M-RoPE otherwise (a 1D arange is accepted silently and gives other log-probs), Gemma3 and PaliGemma need
 bidirectional attention among image tokens (the causal mask overrides it). Those are refused at load, and so is
 anything not tested here.
 
 The placeholder contract (models/image_tokens.py) is the same as our own VisionLM's: prompt text holds one image
-token per image (the family's image token: `<image>` for LLaVA and Idefics3, `<IMG_CONTEXT>` for InternVL), expanded
-once to `tokens_per_image` copies. That plain run is all the forward needs: it scatters each image's features into
-the image-token positions in order, and nothing else in the ids depends on the image, so the engine and the trainer
-read the same inputs. Wrapper tokens a pretrained checkpoint was trained with (Idefics3's
-`<fake_token_around_image><global-img><image><fake_token_around_image>`, InternVL's `<img><IMG_CONTEXT></img>`) are
-the prompt's business: write them around the placeholder in the prompt text. They are never sampled
-(`banned_token_ids`, read from the folder's tokenizer files).
+token per image, expanded once to each image's run of copies. That run is all the forward needs: it scatters each
+image's features into the image-token positions in order, so the engine and the trainer read the same inputs. The
+`<image>` of a data file is rewritten to the family's own text for one image (its wrapper tokens around its image
+token, e.g. InternVL's `<img><IMG_CONTEXT></img>`) when the tokenizer names the image token. Wrapper tokens are
+never sampled (`banned_token_ids`, read from the folder's tokenizer files).
 
 Images go from bytes through PIL and the family's `*ImageProcessorPil` (never torchvision, whose only reachable build
 breaks transformers here), one image at a time, so an image's pixels never depend on what it is batched with.
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashreinforce.models.image_tokens import ImagePlaceholders
+from flashreinforce.models.image_tokens import IMAGE_TOKEN, ImagePlaceholders
 
 __all__ = ["SUPPORTED_FAMILIES", "HFVisionLM", "check_family", "image_processor_for", "is_hf_vision_dir",
            "load_hf_vision_lm"]
@@ -55,23 +55,33 @@ class _Family:
     """Image processor options forced at call time: one image in, one fixed-size image out."""
     special_tokens: str = r"(?!)"
     """Regex of the family's other image special tokens (banned from sampling along with the image token)."""
+    prompt_text: str = "{image}"
+    """One image in a prompt of the family's checkpoints: its wrapper tokens around the image token ({image})."""
+    mrope: bool = False
+    """Qwen2-VL's way: dynamic resolution (pixel_values as patches plus image_grid_thw, image tokens per image by
+    size) and 3D M-RoPE positions, computed by the model's own get_rope_index."""
 
 
 _IDEFICS3 = _Family(("vision_model", "connector"), "text_model", True, (("do_image_splitting", False),),
-                    r"<fake_token_around_image>|<global-img>|<row_\d+_col_\d+>")
+                    r"<fake_token_around_image>|<global-img>|<row_\d+_col_\d+>",
+                    "<fake_token_around_image><global-img>{image}<fake_token_around_image>")
+# The video and vision-pad tokens are banned too: a sampled <|video_pad|> has no video to fill it (verl #7038).
+_QWEN2_VL = _Family(("visual",), "language_model", False, (), r"<\|vision_start\|>|<\|vision_end\|>|"
+                    r"<\|vision_pad\|>|<\|video_pad\|>", "<|vision_start|>{image}<|vision_end|>", mrope=True)
 _FAMILIES = {
     "llava": _Family(("vision_tower", "multi_modal_projector"), "language_model", False),
     "idefics3": _IDEFICS3,
     "smolvlm": _IDEFICS3,
     "internvl": _Family(("vision_tower", "multi_modal_projector"), "language_model", False,
-                        (("crop_to_patches", False),), r"<img>|</img>"),
+                        (("crop_to_patches", False),), r"<img>|</img>", "<img>{image}</img>"),
+    "qwen2_vl": _QWEN2_VL,
+    "qwen2_5_vl": _QWEN2_VL,
 }
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
 
-_MROPE = "needs 3D M-RoPE position ids (and rope deltas at decode), while the engine and the trainer pass 1D ones"
+_MROPE = ("computes its 3D M-RoPE positions its own way (timestamps, deepstack features or its own layout), which "
+          "only Qwen2-VL's and Qwen2.5-VL's are followed here")
 _REFUSED = {
-    "qwen2_vl": f"Qwen2-VL {_MROPE}",
-    "qwen2_5_vl": f"Qwen2.5-VL {_MROPE}",
     "qwen3_vl": f"Qwen3-VL {_MROPE}",
     "qwen3_vl_moe": f"Qwen3-VL-MoE {_MROPE}",
     "ernie4_5_vl_moe": f"ERNIE-4.5-VL {_MROPE}",
@@ -132,7 +142,8 @@ def check_family(config: Any) -> None:
     vocab = config.get_text_config().vocab_size
     if not 0 <= config.image_token_id < vocab:
         raise ValueError(f"{kind}: image_token_id {config.image_token_id} is outside the LM's vocabulary [0, {vocab})")
-    _geometry(config)
+    if not _FAMILIES[kind].mrope:  # Qwen2-VL sizes each image's token run by the image (dynamic resolution)
+        _geometry(config)
 
 
 def image_processor_for(config: Any) -> Any:
@@ -141,6 +152,14 @@ def image_processor_for(config: Any) -> Any:
     import transformers
 
     check_family(config)
+    if _FAMILIES[config.model_type].mrope:
+        vision = config.vision_config
+        factor = vision.patch_size * vision.spatial_merge_size  # one image token per merged patch of factor^2 pixels
+        return transformers.Qwen2VLImageProcessorPil(
+            patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+            temporal_patch_size=vision.temporal_patch_size,
+            size={"shortest_edge": 4 * factor**2, "longest_edge": 64 * factor**2},
+        )
     side = _geometry(config)[0]
     square = {"height": side, "width": side}
     if config.model_type == "llava":
@@ -178,7 +197,7 @@ class HFVisionLM(nn.Module):
             self.register_buffer(name, buffer)
         self.image_processor = image_processor
         self._family = _FAMILIES[model.config.model_type]
-        self._side, self._tokens = _geometry(model.config)
+        self._side, self._tokens = (0, 0) if self._family.mrope else _geometry(model.config)
         vocab = self.config.vocab_size
         extra = sorted({t for t in extra_banned_token_ids if 0 <= t < vocab} - {self.image_token_id})
         self._banned = (self.image_token_id, *extra)
@@ -233,17 +252,27 @@ class HFVisionLM(nn.Module):
         return self._banned
 
     def tokens_per_image(self, images: Sequence[bytes]) -> list[int]:
-        return [self._tokens] * len(images)
+        if not self._family.mrope:
+            return [self._tokens] * len(images)
+        merged = self._hf.config.vision_config.spatial_merge_size ** 2
+        return [int(self._processed(data)["image_grid_thw"].prod()) // merged for data in images]
 
     @property
     def placeholders(self) -> ImagePlaceholders:
-        return ImagePlaceholders(self.image_token_id, self._tokens)
+        text = IMAGE_TOKEN if self.image_token is None else self._family.prompt_text.format(image=self.image_token)
+        count = self.tokens_per_image if self._family.mrope else None
+        return ImagePlaceholders(self.image_token_id, self._tokens, text, count)
 
     def get_input_embeddings(self) -> nn.Module:
         return self._hf.get_input_embeddings()
 
     def image_inputs(self, images: Sequence[bytes]) -> dict[str, torch.Tensor]:
         """The forward's image arguments for these encoded images, in placeholder order."""
+        if self._family.mrope:  # each image's patches, one after another, and each image's (t, h, w) patch grid
+            processed = [self._processed(data) for data in images]
+            patches = torch.cat([torch.as_tensor(out["pixel_values"], dtype=torch.float32) for out in processed])
+            return {"pixel_values": patches.to(self.device, self.dtype),
+                    "image_grid_thw": torch.cat([self._grid(out) for out in processed]).to(self.device)}
         pixels = torch.cat([self._pixels(data) for data in images])  # (N, C, S, S)
         if self._family.images_axis:
             # Idefics3 drops all-zero images as padding: a real one would lose its features and the count break.
@@ -252,13 +281,36 @@ class HFVisionLM(nn.Module):
             pixels = pixels[None]  # (1, N, C, S, S): features come out in the same order, matched to ids in order
         return {"pixel_values": pixels.to(self.device, self.dtype)}
 
-    def _pixels(self, data: bytes) -> torch.Tensor:
-        """(1, C, S, S) float32 pixels of one encoded image, through the family's PIL image processor."""
+    def rope_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       images: Sequence[Sequence[bytes]]) -> torch.Tensor | None:
+        """(3, B, T) M-RoPE positions of rows of ids (each row's images in placeholder order), by the model's own
+        get_rope_index: an image's tokens sit on its (t, h, w) grid, text runs on from the largest position before
+        it. 0 at padding. None for a family with plain 1D positions."""
+        if not self._family.mrope:
+            return None
+        flat = [image for row in images for image in row]
+        grids = torch.cat([self._grid(self._processed(data)) for data in flat]) if flat else None
+        positions, _ = self._hf.model.get_rope_index(
+            input_ids, mm_token_type_ids=(input_ids == self.image_token_id).int(), image_grid_thw=grids,
+            attention_mask=attention_mask,
+        )
+        return positions
+
+    @staticmethod
+    def _grid(processed: Any) -> torch.Tensor:
+        return torch.as_tensor(processed["image_grid_thw"], dtype=torch.long).reshape(-1, 3)
+
+    def _processed(self, data: bytes) -> Any:
+        """The family's PIL image processor's output for one encoded image."""
         from PIL import Image
 
         with Image.open(io.BytesIO(data)) as image:
-            out = self.image_processor(images=[image.convert("RGB")], return_tensors="pt",
-                                       **dict(self._family.process_kwargs))
+            return self.image_processor(images=[image.convert("RGB")], return_tensors="pt",
+                                        **dict(self._family.process_kwargs))
+
+    def _pixels(self, data: bytes) -> torch.Tensor:
+        """(1, C, S, S) float32 pixels of one encoded image, through the family's PIL image processor."""
+        out = self._processed(data)
         pixels = torch.as_tensor(out["pixel_values"], dtype=torch.float32)
         pixels = pixels.reshape(-1, *pixels.shape[-3:])
         if pixels.shape[0] != 1 or tuple(pixels.shape[-2:]) != (self._side, self._side):

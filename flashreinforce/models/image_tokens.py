@@ -4,22 +4,33 @@ expanded ids, so they cannot disagree about where an image sits; re-expanding ex
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-IMAGE_TOKEN = "<image>"
-"""The placeholder of one image in prompt text (verl's geometry3k layout)."""
+from flashreinforce.types import IMAGE_TOKEN  # the shared vocabulary's, so envs check placeholders without torch
 
 
 @dataclass(frozen=True)
 class ImagePlaceholders:
-    """What rendering a prompt needs of a model that reads images: its image token and the run each image fills."""
+    """What rendering a prompt needs of a model that reads images: its image token, the run each image fills, and
+    the text that stands for one image in the model's own prompts."""
 
     image_token_id: int
     tokens_per_image: int
+    """Image tokens per image, when every image has the same number (0 when `count` decides)."""
+    text: str = IMAGE_TOKEN
+    """One image in the model's prompt text (Qwen2-VL: `<|vision_start|><|image_pad|><|vision_end|>`), the
+    IMAGE_TOKEN of data files is rewritten to it before tokenizing."""
+    count: Callable[[Sequence[bytes]], list[int]] | None = None
+    """Image tokens of each image, for models whose count depends on the image's size (dynamic resolution)."""
 
     def expand(self, ids: Sequence[int], images: Sequence[bytes], *, where: str = "prompt") -> list[int]:
-        return expand_image_placeholders(ids, self.image_token_id, [self.tokens_per_image] * len(images), where=where)
+        counts = self.count(images) if self.count is not None else [self.tokens_per_image] * len(images)
+        return expand_image_placeholders(ids, self.image_token_id, counts, where=where)
+
+    def render(self, text: str) -> str:
+        """`text` with each IMAGE_TOKEN written the model's way (placeholders stay one per image)."""
+        return text if self.text == IMAGE_TOKEN else text.replace(IMAGE_TOKEN, self.text)
 
 
 def expand_image_placeholders(ids: Sequence[int], image_token_id: int, counts: Sequence[int], *,

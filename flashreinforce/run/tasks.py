@@ -14,9 +14,9 @@ from typing import Any
 
 from flashreinforce.config import RunConfig
 from flashreinforce.data import arithmetic, instructions, tool_multiply, vision_tasks
-from flashreinforce.envs import text_game
+from flashreinforce.envs import text_game, visual_grid
 from flashreinforce.envs.single_turn import TextEpisodes
-from flashreinforce.envs.traces import trace_row
+from flashreinforce.envs.traces import trace_images, trace_row
 from flashreinforce.envs.turns import TurnRenderer
 from flashreinforce.models.image_tokens import IMAGE_TOKEN, ImagePlaceholders
 from flashreinforce.models.vision import VisionConfig
@@ -57,10 +57,11 @@ def _tool_multiply_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]
                                                    digits=settings.digits)
 
 
-def renderer_for(config: RunConfig, tokenizer: Any) -> TurnRenderer:
+def renderer_for(config: RunConfig, tokenizer: Any, images: ImagePlaceholders | None = None) -> TurnRenderer:
+    """The task's observation rendering; `images`: the policy's placeholders (None: it reads no images)."""
     env = config.env
     return TurnRenderer(tokenizer, role=env.role, max_observation_chars=env.max_observation_chars,
-                        observation_suffix=env.observation_suffix)
+                        observation_suffix=env.observation_suffix, images=images)
 
 
 def _tool_multiply_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) -> list[Example]:
@@ -144,6 +145,30 @@ def _vision_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) -> 
             for item in train]
 
 
+def _visual_grid_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
+    settings = config.data.visual_grid
+    return (visual_grid.visual_grid_prompts(settings.num_train, split="train", seed=settings.seed, size=settings.size),
+            visual_grid.visual_grid_prompts(settings.num_eval, split="eval", seed=settings.seed, size=settings.size))
+
+
+def _visual_grid_examples(config: RunConfig, tokenizer: Any, train: list[Prompt]) -> list[Example]:
+    """The oracle's moves with sft.expert_error_rate of them replaced by other moves (some traces fail), each
+    turn's picture in the row as the rollouts have it."""
+    renderer = renderer_for(config, tokenizer, tiny_placeholders(config, tokenizer))
+    rng, options = random.Random(config.seed), config.env.options
+    max_steps, image_size = int(options.get("max_steps", 8)), int(options.get("image_size", 64))
+    examples = []
+    for item in train:
+        trace = visual_grid.noisy_expert_trace(visual_grid.layout_of(item), rng, config.sft.expert_error_rate,
+                                               max_steps=max_steps, image_size=image_size)
+        observations = [turn.observation for turn in trace.turns][1:] + [trace.final_observation]
+        turns = [(f"{turn.action}\n", observation) for turn, observation in zip(trace.turns, observations)]
+        first = trace.turns[0].observation
+        prompt_ids, completion, mask = trace_row(renderer, item, first, turns, final_eos=False)
+        examples.append(ImageExample(prompt_ids, completion, trace_images(item, first, turns), mask))
+    return examples
+
+
 TASKS: dict[str, Task] = {
     "arithmetic": Task("".join(c for c in arithmetic.ALPHABET if c not in (arithmetic.THINK_OPEN, arithmetic.THINK_CLOSE)),
                        (arithmetic.THINK_OPEN, arithmetic.THINK_CLOSE), _arithmetic_splits, _arithmetic_examples),
@@ -152,4 +177,5 @@ TASKS: dict[str, Task] = {
     "text_game": Task(text_game.TEXT_GAME_ALPHABET, (), _text_game_splits, _text_game_examples),
     "instructions": Task(instructions.ALPHABET, (), _instructions_splits, _instructions_examples),
     "vision": Task(vision_tasks.ALPHABET, (IMAGE_TOKEN,), _vision_splits, _vision_examples),
+    "visual_grid": Task(visual_grid.ALPHABET, (IMAGE_TOKEN,), _visual_grid_splits, _visual_grid_examples),
 }

@@ -38,7 +38,7 @@ class TrainBatch:
     temperatures: torch.Tensor | None = None  # (B,) float32: each row's sampling temperature; None: the trainer's
     stale_context: torch.Tensor | None = None  # (B,) bool: some token sampled over KV of older weights
     routes: torch.Tensor | None = None  # (B, T, layers, k) int16 MoE routes of the rollout, -1 none; None: dense
-    images: tuple[tuple[bytes, ...], ...] = ()  # each row's encoded images (its prompt's); () when no row has any
+    images: tuple[tuple[bytes, ...], ...] = ()  # each row's encoded images (prompt's, observations'); () if none
 
     @property
     def num_rows(self) -> int:
@@ -144,7 +144,7 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
                       if task_temperatures is not None else None),
         stale_context=torch.tensor([t.stale_context for t in trajectories], dtype=torch.bool),
         routes=_collate_routes(trajectories, width),
-        images=tuple(t.prompt.images for t in trajectories) if any(t.prompt.images for t in trajectories) else (),
+        images=tuple(t.images for t in trajectories) if any(t.images for t in trajectories) else (),
     )
 
 

@@ -15,11 +15,15 @@ from flashreinforce.trainer.precision import MasterWeights
 
 
 class ImageExample(NamedTuple):
-    """An example whose prompt reads images: prompt_ids hold their expanded image tokens (models/image_tokens.py)."""
+    """An example that reads images: its ids hold their expanded image tokens (models/image_tokens.py), the
+    prompt's and, in a multi-turn trace, the observations' among the completion's forced tokens."""
 
     prompt_ids: Sequence[int]
     completion_ids: Sequence[int]
     images: tuple[bytes, ...]
+    """Every image of the row, in placeholder order."""
+    completion_mask: Sequence[int] | None = None
+    """1 = a target; None: every completion token is one."""
 
 
 def sft_warm_start(
@@ -78,6 +82,9 @@ def sft_warm_start(
 
 
 def _completion_mask(example: tuple) -> list[int]:
-    if isinstance(example, ImageExample) or len(example) == 2:
+    if isinstance(example, ImageExample):
+        mask = example.completion_mask
+        return [1] * len(example.completion_ids) if mask is None else list(mask)
+    if len(example) == 2:
         return [1] * len(example[1])
     return list(example[2])

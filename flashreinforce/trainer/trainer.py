@@ -421,7 +421,7 @@ def _save_sharded(model: torch.nn.Module, directory: Path, weights: Mapping[str,
     """A sharded model's gathered weights as a Hugging Face checkpoint of its own class (transformers drops the
     FSDP prefix of the class name), whose config names the weights' dtype, not the fp32 of the shards."""
     model.save_pretrained(directory, state_dict=dict(weights), safe_serialization=True)
-    config = copy.deepcopy(model.config)
+    config = copy.deepcopy(getattr(model, "vlm_config", model.config))  # a VLM's config.json is its full config
     config.dtype = dtype
     config.save_pretrained(directory)
 
@@ -451,8 +451,8 @@ class _Tally:
     real_cells: int = 0
     mismatch: MismatchTally = field(default_factory=MismatchTally)
     group_rows: list[torch.Tensor] = field(default_factory=list)
-    """(b, 7) per row: task id, entropy sum, loss tokens, k3 sum, admitted by the sequence gate (1 without one),
-    flagged by WPSM (0 without it), modality id."""
+    """(b, 8) per row: task id, entropy sum, loss tokens, k3 sum, admitted by the sequence gate (1 without one),
+    flagged by WPSM (0 without it), modality id, tokens the mismatch correction masked (IcePop, MISC, ...)."""
 
     def add(self, micro: TrainBatch, loss: torch.Tensor, stats: Mapping[str, torch.Tensor], logprobs: torch.Tensor,
             entropies: torch.Tensor, flags: torch.Tensor | None = None) -> None:
@@ -476,8 +476,9 @@ class _Tally:
         self.wpsm_flagged += int(flagged.sum())
         if micro.task_ids is not None and micro.modality_ids is not None:
             admitted = stats.get("admitted", torch.ones_like(row_k3)).detach().to(row_k3.dtype)
+            masked = stats.get("mismatch/masked_tokens", torch.zeros_like(row_k3)).detach().to(row_k3.dtype)
             self.group_rows.append(torch.stack([micro.task_ids.to(row_k3), row_entropy, mask.sum(-1).to(row_k3),
-                                                row_k3, admitted, flagged, micro.modality_ids.to(row_k3)],
+                                                row_k3, admitted, flagged, micro.modality_ids.to(row_k3), masked],
                                                dim=1).double().cpu())
 
     @classmethod
@@ -508,9 +509,10 @@ class _Tally:
         return metrics
 
     def group_metrics(self, names: Mapping[str, Sequence[str]], wpsm: bool = False) -> dict[str, float]:
-        """Entropy, behavior-policy KL (k3) per token, gate rejections and (with WPSM) flagged rows per task of a
-        mixture (names["task"], in task-id order) and per modality (names["modality"]), where there are several:
-        a modality the policy starts to ignore shows as its own entropy collapse."""
+        """Entropy, behavior-policy KL (k3) per token, gate rejections, tokens masked by the mismatch correction
+        (IcePop, MISC's bands) and (with WPSM) flagged rows per task of a mixture (names["task"], in task-id
+        order) and per modality (names["modality"]), where there are several: a modality the policy starts to
+        ignore shows as its own entropy collapse."""
         if not self.group_rows:
             return {}
         rows, metrics = torch.cat(self.group_rows), {}
@@ -523,7 +525,8 @@ class _Tally:
                 metrics.update({
                     f"{prefix}/{name}/entropy_mean": float(own[:, 1].sum()) / tokens,
                     f"{prefix}/{name}/mismatch_k3_kl": float(own[:, 3].sum()) / tokens,
-                    f"{prefix}/{name}/gate_rejected_fraction": float(1 - own[:, 4].mean()) if len(own) else 0.0})
+                    f"{prefix}/{name}/gate_rejected_fraction": float(1 - own[:, 4].mean()) if len(own) else 0.0,
+                    f"{prefix}/{name}/masked_fraction": float(own[:, 7].sum()) / tokens})
                 if wpsm:
                     metrics[f"{prefix}/{name}/wpsm/flagged_fraction"] = float(own[:, 5].mean()) if len(own) else 0.0
         return metrics

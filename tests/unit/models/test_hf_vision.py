@@ -27,7 +27,9 @@ from engine_rows import max_logprob_gap, recompute, run_to_end
 from flashreinforce.types import SamplingParams
 
 IMAGE_ID, VOCAB = 90, 100
-FAMILIES = ("llava_clip", "llava_siglip", "idefics3", "smolvlm", "internvl")
+FAMILIES = ("llava_clip", "llava_siglip", "idefics3", "smolvlm", "internvl", "qwen2_vl", "qwen2_5_vl")
+FIXED = FAMILIES[:5]
+"""Families whose images all take the same number of tokens (Qwen2-VL's take as many as their size asks)."""
 TOKENS = {"llava_clip": 64, "llava_siglip": 64, "llava_siglip_default": 63, "idefics3": 16, "smolvlm": 16,
           "internvl": 16}
 """64x64 images, 8x8 patches: LLaVA keeps the 8x8 grid (CLIP's class token dropped; SigLIP under "default" loses
@@ -44,9 +46,17 @@ def offline(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
-def text_config(cls: type) -> dict:
+def text_config(cls: type, **extra) -> dict:
     return cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512).to_dict()
+               num_key_value_heads=2, max_position_embeddings=512, **extra).to_dict()
+
+
+QWEN_TOWERS = {  # 14-pixel patches merged 2x2: one image token per 28x28 pixels
+    "qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2),
+    "qwen2_5_vl": dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+}
 
 
 def vlm_config(family: str):
@@ -62,6 +72,12 @@ def vlm_config(family: str):
         cls = tf.Idefics3Config if family == "idefics3" else tf.SmolVLMConfig
         return cls(vision_config=TOWER, text_config=text_config(tf.LlamaConfig), image_token_id=IMAGE_ID,
                    scale_factor=2)
+    if family in QWEN_TOWERS:  # M-RoPE over 16-wide heads: 2 temporal, 3 height and 3 width frequency pairs
+        cls, text = (tf.Qwen2VLConfig, tf.Qwen2VLTextConfig) if family == "qwen2_vl" else \
+            (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLTextConfig)
+        mrope = {"type": "mrope", "mrope_section": [2, 3, 3]}
+        return cls(vision_config=QWEN_TOWERS[family], text_config=text_config(text, rope_scaling=mrope),
+                   image_token_id=IMAGE_ID, video_token_id=93, vision_start_token_id=94, vision_end_token_id=95)
     assert family == "internvl"
     return tf.InternVLConfig(vision_config=TOWER | dict(image_size=[64, 64], patch_size=[8, 8]),
                              text_config=text_config(tf.Qwen2Config), image_token_id=IMAGE_ID, downsample_ratio=0.5)
@@ -82,6 +98,11 @@ def png(seed: int, size: tuple[int, int] = (64, 64)) -> bytes:
     return buffer.getvalue()
 
 
+def size(image: bytes) -> tuple[int, int]:
+    with Image.open(io.BytesIO(image)) as opened:
+        return opened.size
+
+
 def engine_for(model: HFVisionLM, slots: int, eos=1) -> Engine:
     return Engine(copy.deepcopy(model), max_batch_size=slots, max_context=300, eos_token_ids=eos, pad_token_id=0)
 
@@ -100,7 +121,7 @@ def test_engine_behavior_logprobs_equal_the_recompute_with_images(family):
     assert max_logprob_gap(model, generations) <= 1e-5
     assert not any(IMAGE_ID in g.token_ids for g in generations)
     # The images matter: other pixels give other log-probs.
-    other = recompute(model, generations, [tuple(png(999) for _ in g.images) for g in generations])
+    other = recompute(model, generations, [tuple(png(999, size(image)) for image in g.images) for g in generations])
     assert float((recompute(model, generations) - other).abs().max()) > 1e-3
 
 
@@ -129,7 +150,7 @@ def test_images_survive_pause_resume_and_a_weight_push(family):
         assert float(gap.abs().max()) <= 1e-5
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "llava_siglip_default"])
+@pytest.mark.parametrize("family", [*FIXED, "llava_siglip_default"])
 def test_tokens_per_image_is_what_the_forward_takes(family):
     model = build(family)
     images = [png(1), png(2)]
@@ -141,6 +162,43 @@ def test_tokens_per_image_is_what_the_forward_takes(family):
         assert model(input_ids=ids, pixel_values=pixels).logits.shape == (1, ids.shape[1], VOCAB)
         with pytest.raises(ValueError, match="do not match"):  # one image token too many
             model(input_ids=torch.cat([ids[:, :2], ids], 1), pixel_values=pixels)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_positions_are_the_models_own_and_1d_ones_would_differ(family):
+    """The recompute (which the engine equals, above) reads an image's tokens at the 3D grid positions the HF model
+    computes for itself, and text after it from the grid's largest position on; plain 1D positions read otherwise."""
+    model = build(family)
+    images = [png(1, (84, 56)), png(2, (56, 112))]  # 3x2 and 2x4 merged patches: 6 and 8 image tokens
+    assert model.tokens_per_image(images) == [6, 8]
+    ids = torch.tensor([model.placeholders.expand([5, IMAGE_ID, 6, 7, IMAGE_ID, 8, 9, 10], images)])
+    positions = model.rope_positions(ids, None, [images])
+    assert positions.shape == (3, 1, ids.shape[1])
+    # An image advances the position by the longer side of its grid: 1 text + 3 + 2 texts + 4 + 3 texts, the last
+    # at 12 (where 1D positions would put it at 18).
+    assert positions[:, 0, -1].tolist() == [12] * 3
+    inputs = model.image_inputs(images)
+    with torch.no_grad():
+        ours, _ = token_logprobs(model, ids, images=[images])
+        own = model.hf_model(input_ids=ids, mm_token_type_ids=(ids == IMAGE_ID).int(), **inputs).logits
+        flat = model.hf_model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], **inputs).logits
+    own, flat = (torch.log_softmax(logits[0, :-1].float().index_fill(-1, torch.tensor(IMAGE_ID), -torch.inf), -1)
+                 .gather(-1, ids[0, 1:, None])[:, 0] for logits in (own, flat))  # the image token banned, as ours
+    text = ids[0, 1:] != IMAGE_ID  # the recompute gives image tokens log-prob 0 (they are banned prompt)
+    assert float((ours[0, 1:][text] - own[text]).abs().max()) <= 1e-5
+    assert float((own[text] - flat[text]).abs().max()) > 1e-3
+
+
+def test_qwen_placeholders_render_the_checkpoints_wrapper(tmp_path):
+    build("qwen2_vl").save_pretrained(tmp_path)
+    added = [{"id": IMAGE_ID, "content": "<|image_pad|>"}, {"id": 93, "content": "<|video_pad|>"},
+             {"id": 94, "content": "<|vision_start|>"}, {"id": 95, "content": "<|vision_end|>"}]
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
+    model = load_hf_vision_lm(tmp_path)
+    assert model.banned_token_ids == (IMAGE_ID, 93, 94, 95)  # a sampled <|video_pad|> would have no video behind it
+    assert model.placeholders.render("<image>Which is larger?") == \
+        "<|vision_start|><|image_pad|><|vision_end|>Which is larger?"
+    assert type(model.image_processor).__name__ == "Qwen2VLImageProcessorPil"
 
 
 @pytest.mark.parametrize(("family", "processor"), [
@@ -238,8 +296,6 @@ def test_save_pretrained_writes_a_given_state_dict(tmp_path):
 
 
 @pytest.mark.parametrize(("config", "name", "why"), [
-    (tf.Qwen2VLConfig, "qwen2_vl", "M-RoPE"),
-    (tf.Qwen2_5_VLConfig, "qwen2_5_vl", "M-RoPE"),
     (tf.Qwen3VLConfig, "qwen3_vl", "M-RoPE"),
     (tf.Ernie4_5_VLMoeConfig, "ernie4_5_vl_moe", "M-RoPE"),
     (tf.Gemma3Config, "gemma3", "bidirectionally"),

@@ -94,11 +94,11 @@ def _two_task_rows(base):
             for i, t in enumerate(rows)]
 
 
-def _trainer(model, loss, microbatch_size, microbatch_tokens=None, **options):
+def _trainer(model, loss, microbatch_size, microbatch_tokens=None, loss_options=None, **options):
     return Trainer(
         model,
         loss=loss,
-        loss_options={},
+        loss_options=loss_options or {},
         optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0,
                                     total_steps=10, min_lr_ratio=1.0, grad_clip=1e9),
         microbatch_size=microbatch_size,
@@ -328,3 +328,20 @@ def test_entropy_kl_and_gate_rejections_are_reported_per_modality():
     tokens = {m: sum(t.num_policy_tokens for t in rows if t.prompt.modality == m) for m in ("text", "image")}
     mixed = sum(metrics[f"modality/{m}/entropy_mean"] * tokens[m] for m in tokens) / sum(tokens.values())
     assert mixed == pytest.approx(metrics["entropy/mean"], rel=1e-9)
+
+
+def test_misc_bands_mask_each_modality_by_its_own_band_and_say_so_per_modality():
+    """One batch of text and image rows sampled by a slightly different behavior policy: MISC's narrow image band
+    masks image tokens while the default band keeps every text token, and modality/<tag>/masked_fraction says
+    which modality lost its tokens."""
+    base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
+    shift = [0.0, 0.0] + [0.3 * (-1) ** j for j in range(8)]  # rho = e^{-0.3} or e^{+0.3}: in (0.5, 5), not (0.9, 1.1)
+    rows = [dataclasses.replace(t, prompt=dataclasses.replace(t.prompt, modality="image" if i % 2 else "text"),
+                                behavior_logprobs=tuple(b + s for b, s in zip(t.behavior_logprobs, shift)))
+            for i, t in enumerate(_on_policy_batch(base, rows=8, group_size=1))]
+    metrics = _trainer(copy.deepcopy(base), "misc", microbatch_size=3,
+                       loss_options={"modality_bands": {"image": (0.9, 1.1, 0.05, 0.05)}}).step(rows)
+    assert metrics["modality/text/masked_fraction"] == 0.0
+    assert metrics["modality/image/masked_fraction"] == 1.0
+    tokens = {m: sum(t.num_policy_tokens for t in rows if t.prompt.modality == m) for m in ("text", "image")}
+    assert metrics["loss/mismatch/masked_fraction"] == pytest.approx(tokens["image"] / sum(tokens.values()))
