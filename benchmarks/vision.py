@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import Machine
 
 QUICK = [  # tiny settings: checks that every run goes through, not the figures
-    "data.vision.num_train=200", "data.vision.num_eval=16", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",
-    "model.tiny.num_heads=2", "sft.steps=10", "sft.batch_size=8", "rollout.max_batch_size=16",
+    *(f"tasks.{task}.data.vision.{field}" for task in ("count", "tallest", "most")
+      for field in ("num_train=100", "num_eval=8")),
+    "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2", "sft.steps=10", "sft.batch_size=8", "rollout.max_batch_size=16",
     "scheduler.batch_groups=8", "trainer.steps=3", "trainer.microbatch_size=8", "trainer.checkpoint_every=3",
     "eval.num_prompts=8", "eval.k=1", "eval.every=3",
 ]
@@ -49,7 +50,7 @@ class SeedRun:
 
 
 def task_scores(run_dir: Path) -> dict[str, tuple[float, float]]:
-    """Each built-in task's held-out avg@k at the first and the last evaluation of metrics.jsonl."""
+    """Each visual task's held-out avg@k (its data_source, vision/<task>) at the first and the last evaluation."""
     evals = [row for row in read_metrics(run_dir / "metrics.jsonl") if "eval/avg@k" in row]
     first, last = evals[0], evals[-1]
     names = sorted(key.split("/")[2] for key in first if key.startswith("eval/vision/") and key.endswith("/avg@k"))

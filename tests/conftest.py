@@ -102,9 +102,8 @@ VISION_RUN = [
     "model.tiny.num_layers=1",
     "model.tiny.num_heads=2",
     "model.tiny.vision={image_size: 32, patch_size: 8, width: 16, num_layers: 1, num_heads: 2, merge: 1}",
-    "data.vision.num_train=300",
-    "data.vision.num_eval=16",
-    "data.vision.image_size=32",
+    *(f"tasks.{task}.data.vision.{field}" for task in ("count", "tallest", "most")
+      for field in ("num_train=100", "num_eval=8", "image_size=32")),
     *(o for o in TINY_RUN if o.startswith(("sft.", "rollout.max_batch_size", "scheduler.", "trainer.", "eval.",
                                            "log.", "verifier."))),
 ]

@@ -31,7 +31,7 @@ def test_the_vision_recipe_trains_the_encoder_with_the_lm_and_saves_both(vision_
     assert any(not (warm[name] == trained[name]).all() for name in warm)
     main(["eval", str(final.parent), "--num-prompts", "8", "--k", "1", "--json", str(tmp_path / "eval.json")])
     scores = json.loads((tmp_path / "eval.json").read_text())
-    assert scores["num_prompts"] == 8 and scores["model"] == str(final)
+    assert scores["num_prompts"] == 3 * 8 and scores["model"] == str(final)  # 8 of each of the recipe's 3 tasks
 
 
 def test_a_frozen_encoder_stays_as_the_warm_start_left_it(vision_run, tmp_path):
