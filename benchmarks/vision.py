@@ -6,7 +6,7 @@ rollouts. The table gives, per seed, held-out avg@k at T=1 before RL (after the 
 accuracy after, each task's avg@k before and after, and the wall time of the whole run (warm start, RL and the
 evaluations): what `flashreinforce train vision seed=N` takes on this machine.
 
-    python benchmarks/vision.py                 # seeds 0 1 2 (~5 min each on 2 cores)
+    python benchmarks/vision.py                 # seeds 0 1 2 (~3-4 min each on 2 cores)
     python benchmarks/vision.py --seeds 3 4     # other seeds
     python benchmarks/vision.py --quick         # a smoke run with tiny settings (well under a minute)
     flashreinforce bench vision --json bench-out/vision.json

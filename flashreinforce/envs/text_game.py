@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from flashreinforce.envs.protocol import StepResult
+from flashreinforce.envs.traces import ExpertTrace, Turn
 from flashreinforce.types import Prompt
 
 TEXT_GAME_ALPHABET = "abcdefghijklmnopqrstuvwxyz :,.|()\n"
@@ -112,21 +113,6 @@ class Exit(NamedTuple):
     direction: str
     room: str
     door: int
-
-
-class Turn(NamedTuple):
-    observation: str
-    """What the player saw before acting (the reset observation for the first turn)."""
-    action: str
-
-
-@dataclass(frozen=True)
-class ExpertTrace:
-    """One demonstration episode: the turns, what the last action led to, and whether it reached the goal."""
-
-    turns: tuple[Turn, ...]
-    final_observation: str
-    success: bool
 
 
 # ---------------------------------------------------------------- layouts

@@ -9,10 +9,28 @@ expanded where the rollouts expand them; trace_images lists them for the SFT exa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from flashreinforce.envs.protocol import Observation, observation_images
 from flashreinforce.envs.turns import TurnRenderer
 from flashreinforce.types import Prompt
+
+
+class Turn(NamedTuple):
+    observation: Observation
+    """What the agent saw before acting (the reset observation for the first turn)."""
+    action: str
+
+
+@dataclass(frozen=True)
+class ExpertTrace:
+    """One demonstration episode (a built-in environment's expert): the turns, what the last action led to, and
+    whether it reached the goal."""
+
+    turns: tuple[Turn, ...]
+    final_observation: Observation
+    success: bool
 
 
 def trace_row(renderer: TurnRenderer, prompt: Prompt, first_observation: Observation,

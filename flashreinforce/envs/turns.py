@@ -21,11 +21,13 @@ expanded exactly once; text already in the row is never rendered to ids again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashreinforce.envs.protocol import ImageObservation, Message, Observation, observation_images
-from flashreinforce.models.image_tokens import ImagePlaceholders
 from flashreinforce.types import Prompt
+
+if TYPE_CHECKING:  # the models package imports torch, which environment workers never load
+    from flashreinforce.models.image_tokens import ImagePlaceholders
 
 _PROBE = ({"role": "user", "content": "question"},
           {"role": "assistant", "content": "<think>\nreasoning\n</think>\n\nanswer"})

@@ -22,9 +22,9 @@ import hashlib
 import io
 import random
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from flashreinforce.envs.protocol import ImageObservation, Observation, StepResult
+from flashreinforce.envs.protocol import ImageObservation, StepResult
+from flashreinforce.envs.traces import ExpertTrace, Turn
 from flashreinforce.types import IMAGE_TOKEN, Prompt
 
 DATA_SOURCE = "visual_grid"
@@ -53,21 +53,6 @@ class GridLayout:
     size: int
     start: Cell
     goal: Cell
-
-
-class Turn(NamedTuple):
-    observation: ImageObservation
-    """What the agent saw before acting (the reset observation for the first turn)."""
-    action: str
-
-
-@dataclass(frozen=True)
-class ExpertTrace:
-    """One demonstration episode: the turns, what the last move led to, and whether it reached the goal."""
-
-    turns: tuple[Turn, ...]
-    final_observation: Observation
-    success: bool
 
 
 def _check_size(size: int) -> None:

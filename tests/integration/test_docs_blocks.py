@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -223,7 +224,8 @@ VLLM_TINY = ["model.tiny.hidden_size=128"]
 vLLM commands set model.tiny.num_heads=2, so 128 gives head size 64, as the default recipe on vLLM has."""
 
 
-def with_tiny_overrides(text: str, *, tiny: list[str], agent: list[str], tool: list[str]) -> str:
+def with_tiny_overrides(text: str, *, tiny: list[str], agent: list[str], tool: list[str],
+                        vision: list[str] = ()) -> str:
     """Each `flashreinforce train|sft` command gets the overrides right after its recipe, or right before its
     first override (one run of positional arguments, as argparse wants them), so the block's own overrides
     still win; each `flashreinforce eval` gets EVAL_OVERRIDES."""
@@ -242,13 +244,13 @@ def with_tiny_overrides(text: str, *, tiny: list[str], agent: list[str], tool: l
                 else:
                     where = token.start() - 1
                 break
-            overrides = {"text_game": agent[1:], "tool_multiply": tool}.get(recipe, tiny)
+            overrides = {"text_game": agent[1:], "tool_multiply": tool, "vision": vision[1:]}.get(recipe, tiny)
             line_end = text.find("\n", command.end())
             if "rollout.engine=vllm" in text[command.end():None if line_end < 0 else line_end]:
                 overrides = [*overrides, *VLLM_TINY]  # before the block's own num_heads, which then sets head size
         else:
             overrides = EVAL_OVERRIDES
-        text = f"{text[:where]} {' '.join(overrides)}{text[where:]}"
+        text = f"{text[:where]} {' '.join(shlex.quote(o) for o in overrides)}{text[where:]}"  # a value may hold spaces
     return text
 
 
@@ -326,7 +328,7 @@ BLOCKS = [block for block in all_blocks() if block.lang not in INERT]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
-def test_the_block_runs_as_written(block: Block, tmp_path, tiny_run, agent_run):
+def test_the_block_runs_as_written(block: Block, tmp_path, tiny_run, agent_run, vision_run):
     assert not block_problems(block), block_problems(block)
     skip = block.get("skip")
     if skip is not None:
@@ -340,7 +342,7 @@ def test_the_block_runs_as_written(block: Block, tmp_path, tiny_run, agent_run):
     prepare(block, work)
     text = block.text
     if block.get("tiny") is not None:
-        text = with_tiny_overrides(text, tiny=tiny_run, agent=agent_run, tool=TOOL_RUN)
+        text = with_tiny_overrides(text, tiny=tiny_run, agent=agent_run, tool=TOOL_RUN, vision=vision_run)
     name = block.get("file")
     if name is not None:  # written for later blocks: check that it is what its name says
         if name.endswith(".py"):
