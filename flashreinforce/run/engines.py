@@ -200,6 +200,9 @@ def prompt_room(config: RunConfig, episodes: TextEpisodes, prompts: Sequence[Pro
     what the model's `context` leaves after rollout.max_new_tokens (at most FIRST_PROMPT_ROOM): a small model
     gets what it has, a large one does not preallocate its whole context per slot."""
     longest = PromptRoom(longest_rendered(episodes, prompts))
+    if any(p.images for p in prompts):  # a picture's image tokens can dwarf its text
+        longest = PromptRoom(longest.tokens, "the longest prompt of the data, its images' tokens included: "
+                             "data.max_pixels makes them fewer for a model whose image tokens grow with the picture")
     if not config.env.multi_turn:
         return longest
     reserve = config.env.max_prompt_tokens
