@@ -38,6 +38,7 @@ QUICK = [  # tiny settings: checks that every run goes through, not the figures
     "tasks.sums.data.arithmetic.num_train=200", "tasks.sums.data.arithmetic.num_eval=16",
     "tasks.tool.data.tool_multiply.num_train=100", "tasks.tool.data.tool_multiply.num_eval=16",
     "tasks.follow.data.instructions.num_train=200", "tasks.follow.data.instructions.num_eval=16",
+    "tasks.most.data.vision.num_train=100", "tasks.most.data.vision.num_eval=16",
     "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
     "sft.steps=20", "sft.batch_size=16", "rollout.max_batch_size=24", "scheduler.batch_groups=12",
     "trainer.steps=4", "trainer.microbatch_size=12", "trainer.checkpoint_every=4",

@@ -1,6 +1,6 @@
 """The shipped `multitask` recipe end to end, cut down to a test's size: arithmetic (the math verifier), the
-tool_multiply agent (python_tool episodes) and the instructions task (the ifeval verifier) warm-started together
-and trained in one run, each reported on its own."""
+tool_multiply agent (python_tool episodes), the instructions task (the ifeval verifier) and a picture question (the
+tiny model's encoder, the exact verifier) warm-started together and trained in one run, each reported on its own."""
 
 import json
 
@@ -16,6 +16,7 @@ SMALL = [
     "tasks.tool.data.tool_multiply.num_train=100", "tasks.tool.data.tool_multiply.num_eval=8",
     "tasks.tool.env.max_workers=1",
     "tasks.follow.data.instructions.num_train=200", "tasks.follow.data.instructions.num_eval=8",
+    "tasks.most.data.vision.num_train=100", "tasks.most.data.vision.num_eval=8",
     "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
     "sft.steps=20", "sft.batch_size=16",
     "rollout.max_batch_size=24", "scheduler.batch_groups=12",
@@ -25,19 +26,19 @@ SMALL = [
 ]
 
 
-def test_the_multitask_recipe_trains_its_three_tasks_and_reports_each(tmp_path):
+def test_the_multitask_recipe_trains_its_four_tasks_and_reports_each(tmp_path):
     config = load_config("multitask", SMALL)
     assert {name: task.data.kind for name, task in config.task_list()} == {
-        "sums": "arithmetic", "tool": "tool_multiply", "follow": "instructions"}
+        "sums": "arithmetic", "tool": "tool_multiply", "follow": "instructions", "most": "vision"}
     run = tmp_path / "run"
     summary = run_training(config, run_dir=run)
     assert summary["optimizer_steps"] == 3
-    assert set(summary["tasks"]) == {"sums", "tool", "follow"}
+    assert set(summary["tasks"]) == {"sums", "tool", "follow", "most"}
     assert all({"initial_accuracy", "final_accuracy"} <= set(scores) for scores in summary["tasks"].values())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss/policy" in r]
     # Every task trained: its rows in the steps, in the weights' proportions over the run.
-    trained = {name: sum(r.get(f"task/{name}/rows", 0) for r in steps) for name in ("sums", "tool", "follow")}
+    trained = {name: sum(r.get(f"task/{name}/rows", 0) for r in steps) for name in ("sums", "tool", "follow", "most")}
     weights = {name: task.weight for name, task in config.task_list()}
     total = sum(trained.values())
     assert all(trained[name] > 0 for name in trained), trained
@@ -48,7 +49,9 @@ def test_the_multitask_recipe_trains_its_three_tasks_and_reports_each(tmp_path):
     assert all(("task/tool/turns" in r) == ("task/tool/rows" in r) and "task/follow/turns" not in r
                for r in steps)
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    assert {s["prompt_id"].split("/", 1)[0] for s in samples} <= {"sums", "tool", "follow"}
+    assert {s["prompt_id"].split("/", 1)[0] for s in samples} <= {"sums", "tool", "follow", "most"}
+    # The picture task's rows are image rows, the others text: per-modality metrics split them.
+    assert any("modality/image/rows" in r for r in steps) and any("modality/text/rows" in r for r in steps)
     follow = [s for s in samples if s["prompt_id"].startswith("follow/")]
     assert all(s["reason"] == "ok" or s["reason"].startswith(("failed: ", "no_answer")) for s in follow)
 
