@@ -681,6 +681,49 @@ class TaskConfig(_Section):
     prompt with images, else text, unless its data row says)."""
 
 
+STAGE_SECTIONS = ("tasks", "data", "env", "verifier", "sft", "rollout", "scheduler", "algo", "trainer", "eval",
+                  "precision", "log")
+"""The run config sections a stage may override; the model, seed, backend and mode are the run's own."""
+
+
+class StageConfig(_Section):
+    name: str
+    """Names the stage's directory (stages/NN-<name>), its metrics rows and its summary entry."""
+    steps: int = Field(ge=1)
+    """Optimizer steps of the stage: RL steps, or SFT steps for kind sft."""
+    kind: Literal["rl", "sft"] = "rl"
+    """rl: the run's RL loop under the stage's config; sft: the warm start's SFT on the stage's tasks'
+    demonstrations (built-in tasks, the tiny model), on the weights the previous stage left."""
+    optimizer: Literal["keep", "reset"] = "keep"
+    """keep: AdamW's moments carry over from the previous RL stage (its learning rate and schedule do not: each
+    stage has its own); reset: a fresh AdamW. After an sft stage, or in the first stage, there are none to keep."""
+    tasks: dict[str, dict[str, Any]] | None = None
+    """The tasks this stage trains, by name: a name of the recipe's `tasks` takes its definition, with what is
+    given here merged over it ({} for as it is); a new name is a whole task definition. None: the recipe's."""
+    data: dict[str, Any] | None = None
+    """Overrides of the run's `data` (a run without `tasks`)."""
+    env: dict[str, Any] | None = None
+    """Overrides of the run's `env` (a run without `tasks`)."""
+    verifier: dict[str, Any] | None = None
+    """Overrides of the run's `verifier`."""
+    sft: dict[str, Any] | None = None
+    """Overrides of the run's `sft` (batch_size, lr... of an sft stage)."""
+    rollout: dict[str, Any] | None = None
+    """Overrides of the run's `rollout`."""
+    scheduler: dict[str, Any] | None = None
+    """Overrides of the run's `scheduler`."""
+    algo: dict[str, Any] | None = None
+    """Overrides of the run's `algo` (loss, options, hints...)."""
+    trainer: dict[str, Any] | None = None
+    """Overrides of the run's `trainer` (lr, warmup_steps...; steps is the stage's)."""
+    eval: dict[str, Any] | None = None
+    """Overrides of the run's `eval`."""
+    precision: dict[str, Any] | None = None
+    """Overrides of the run's `precision` (a stage's numerics: precision.mode=unified with bf16...)."""
+    log: dict[str, Any] | None = None
+    """Overrides of the run's `log`."""
+
+
 class RunConfig(_Section):
     name: str = "run"
     """Recipe name; the default run directory is runs/<name>-<timestamp>."""
@@ -706,6 +749,10 @@ class RunConfig(_Section):
     """A mixture of tasks trained in one run (docs/tasks.md): name -> {weight, data, env, verifier, rollout,
     modality}. Training prompts interleave by weight, each scored by its own verifier, with metrics and held-out
     scores per task. None: one task, from the run's data, env and verifier sections."""
+    stages: list[StageConfig] | None = None
+    """A pipeline run in order on the same weights (docs/stages.md): each stage a name, steps, kind (rl or sft),
+    optimizer (keep or reset) and overrides of the sections in STAGE_SECTIONS, deep-merged over the rest of the
+    recipe. None: one stage, the recipe itself."""
 
     @model_validator(mode="after")
     def _tasks_alone(self) -> RunConfig:
@@ -724,6 +771,47 @@ class RunConfig(_Section):
             raise ValueError(f"tasks: and the run's {' and '.join(shadowed)} section both given; with tasks, each "
                              f"task has its own (tasks.<name>.{shadowed[0]}): move it into the tasks")
         return self
+
+    @model_validator(mode="after")
+    def _stages_build(self) -> RunConfig:
+        """Every stage's config is built (and so checked) at load, not when the run reaches it."""
+        if self.stages is None:
+            return self
+        if not self.stages:
+            raise ValueError("stages: empty; give at least one stage, or leave stages out for a one-stage run")
+        names = [stage.name for stage in self.stages]
+        for index, name in enumerate(names):
+            if not re.match(TASK_NAME, name) or name in names[:index]:
+                raise ValueError(f"stages[{index}].name={name!r}: a stage name is unique, a letter, then letters, "
+                                 "digits, _ or - (it names the stage's directory)")
+            if self.stages[index].kind == "sft" and self.model.path is not None:
+                raise ValueError(f"stages[{index}] ({name}): kind sft trains the built-in tasks' demonstrations on the "
+                                 "tiny model; with model.path set, make it an rl stage")
+        for index in range(len(self.stages)):
+            self.stage(index)
+        return self
+
+    def stage(self, index: int) -> RunConfig:
+        """The config stage `index` runs under: the recipe without `stages`, the stage's sections deep-merged over
+        it (its `tasks` chosen by name from the recipe's), and its steps as trainer.steps (sft.steps for sft)."""
+        stage = self.stages[index]
+        tree = self.model_dump(mode="json", exclude={"stages"})
+        for section in STAGE_SECTIONS:
+            given = getattr(stage, section)
+            if given is None:
+                continue
+            if section == "tasks":
+                catalogue = tree.get("tasks") or {}
+                tree["tasks"] = {name: _merge(catalogue.get(name, {}), override or {}) for name, override in given.items()}
+            else:
+                tree[section] = _merge(tree[section], given)
+        tree["sft" if stage.kind == "sft" else "trainer"]["steps"] = stage.steps
+        try:
+            return RunConfig.model_validate(tree)
+        except ValidationError as error:
+            problems = format_validation_error(error).splitlines()[1:]  # past its "invalid config:" line
+            raise ValueError(f"stages[{index}] ({stage.name}), merged over the recipe: "
+                             + "; ".join(problem.strip() for problem in problems)) from None
 
     def task_list(self) -> list[tuple[str, TaskConfig]]:
         """The run's tasks in order; without `tasks`, the one task of the data, env and verifier sections, named
@@ -822,7 +910,7 @@ def format_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         field = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        message = item["msg"]
+        message = item["msg"].removeprefix("Value error, ")  # a validator's own message says what is wrong
         if item["type"] == "extra_forbidden":
             message = ("unknown field (check the spelling; `flashreinforce config "
                        f"{item['loc'][0] if len(item['loc']) > 1 else ''}` lists the fields with their docs)")

@@ -28,7 +28,7 @@ class AprilScheduler:
     abort_on_update = True
 
     def __init__(self, prompt_at: PromptAt, batch_groups: int, group_size: int,
-                 group_filter: GroupFilter | None = None, *, over_provision: float = 2.0,
+                 group_filter: GroupFilter | None = None, first_step: int = 0, *, over_provision: float = 2.0,
                  mask_offpolicy: bool = False) -> None:
         if not over_provision >= 1.0:
             raise ValueError(f"april: over_provision must be >= 1.0 (groups in flight per batch group; APRIL "
@@ -38,7 +38,7 @@ class AprilScheduler:
         self.over_provision = over_provision
         self.mask_offpolicy = mask_offpolicy
         self.ledger = Ledger()
-        self.book = GroupBook(prompt_at, group_size, self.ledger)
+        self.book = GroupBook(prompt_at, group_size, self.ledger, first_position=first_step * batch_groups)
         self._open_target = math.ceil(over_provision * batch_groups)
         self._ready: list[Group] = []  # complete, kept, in completion order
         self._last_step: int | None = None

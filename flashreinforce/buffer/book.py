@@ -103,12 +103,12 @@ def filter_metrics(kept: Mapping[str, int], dropped: Mapping[str, int]) -> dict[
 class GroupBook:
     """Open groups, waiting and in-flight rollouts, and the ledger marks that go with moving between them."""
 
-    def __init__(self, prompt_at: PromptAt, group_size: int, ledger: Ledger) -> None:
+    def __init__(self, prompt_at: PromptAt, group_size: int, ledger: Ledger, first_position: int = 0) -> None:
         self.prompt_at = prompt_at
         self.group_size = group_size
         self.ledger = ledger
-        self.cursor = 0
-        """Next data position to open."""
+        self.cursor = first_position
+        """Next data position to open (a later stage of a pipeline starts where its first step's data would be)."""
         self.groups: dict[int, Group] = {}
         """Open groups that are not complete yet, by position."""
         self.in_flight: dict[RolloutKey, RolloutTask] = {}

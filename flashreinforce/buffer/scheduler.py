@@ -75,10 +75,12 @@ SCHEDULERS: dict[str, type] = {
 
 
 def build_scheduler(kind: str, *, prompt_at: PromptAt, batch_groups: int, group_size: int,
-                    group_filter: GroupFilter | None = None, **options) -> Scheduler:
+                    group_filter: GroupFilter | None = None, first_step: int = 0, **options) -> Scheduler:
     """A scheduler of `kind` over the data order prompt_at(0), prompt_at(1), ...
 
-    batch_groups: B, prompt groups per learner batch; group_size: G, rollouts per prompt. Options per kind:
+    batch_groups: B, prompt groups per learner batch; group_size: G, rollouts per prompt. first_step: the
+    optimizer step its first batch follows (a pipeline's later stage): it opens data at position first_step * B,
+    where a run of first_step steps would be, and urb's D_t counts from t = first_step. Options per kind:
     april: over_provision=2.0, mask_offpolicy=False; urb: buffer_size (N, required);
     stream: max_staleness=1, stale_policy="gate" | "drop". group_filter(trajectories of one group) -> keep?
     """
@@ -93,7 +95,7 @@ def build_scheduler(kind: str, *, prompt_at: PromptAt, batch_groups: int, group_
     missing = [p.name for p in _options(kind) if p.default is p.empty and p.name not in options]
     if missing:
         raise ValueError(f"scheduler.kind={kind!r} needs option(s) {missing}; e.g. buffer_size=2 for urb")
-    return SCHEDULERS[kind](prompt_at, batch_groups, group_size, group_filter, **options)
+    return SCHEDULERS[kind](prompt_at, batch_groups, group_size, group_filter, first_step, **options)
 
 
 def scheduler_options(kind: str) -> tuple[str, ...]:

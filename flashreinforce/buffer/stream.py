@@ -36,7 +36,7 @@ class StreamScheduler:
     abort_on_update = False  # in-flight work continues under the new weights
 
     def __init__(self, prompt_at: PromptAt, batch_groups: int, group_size: int,
-                 group_filter: GroupFilter | None = None, *, max_staleness: int = 1,
+                 group_filter: GroupFilter | None = None, first_step: int = 0, *, max_staleness: int = 1,
                  stale_policy: StalePolicy = "gate") -> None:
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"stream: max_staleness (S) must be an int >= 0 (0 = on-policy), got {max_staleness!r}")
@@ -47,7 +47,7 @@ class StreamScheduler:
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
         self.ledger = Ledger()
-        self.book = GroupBook(prompt_at, group_size, self.ledger)
+        self.book = GroupBook(prompt_at, group_size, self.ledger, first_position=first_step * batch_groups)
         self._ready: list[Group] = []  # complete, kept, in completion order
         self._last_step: int | None = None
         self._lag: dict[str, float] = {}

@@ -20,11 +20,11 @@ class SyncScheduler:
     abort_on_update = False  # nothing is in flight at an update
 
     def __init__(self, prompt_at: PromptAt, batch_groups: int, group_size: int,
-                 group_filter: GroupFilter | None = None) -> None:
+                 group_filter: GroupFilter | None = None, first_step: int = 0) -> None:
         self.batch_groups = batch_groups
         self.group_filter = group_filter
         self.ledger = Ledger()
-        self.book = GroupBook(prompt_at, group_size, self.ledger)
+        self.book = GroupBook(prompt_at, group_size, self.ledger, first_position=first_step * batch_groups)
         self._kept: list[Group] = []  # complete groups that passed the filter, in completion order
         self._last_step: int | None = None
         self._lag: dict[str, float] = {}

@@ -31,7 +31,7 @@ class URBScheduler:
     abort_on_update = False  # future-group work keeps decoding across the update
 
     def __init__(self, prompt_at: PromptAt, batch_groups: int, group_size: int,
-                 group_filter: GroupFilter | None = None, *, buffer_size: int) -> None:
+                 group_filter: GroupFilter | None = None, first_step: int = 0, *, buffer_size: int) -> None:
         if not isinstance(buffer_size, int) or buffer_size < 1:
             raise ValueError(f"urb: buffer_size (N) must be an int >= 1 (P_infer holds B*N queries; N=1 is sync), "
                              f"got {buffer_size!r}")
@@ -39,8 +39,8 @@ class URBScheduler:
         self.group_filter = group_filter
         self.buffer_size = buffer_size
         self.ledger = Ledger()
-        self.book = GroupBook(prompt_at, group_size, self.ledger)
-        self.iteration = 0
+        self.book = GroupBook(prompt_at, group_size, self.ledger, first_position=first_step * batch_groups)
+        self.iteration = first_step
         """t: the data group the next batch trains on."""
         self._done: dict[int, Group | None] = {}  # complete groups by position; None = filtered out
         self.skipped = 0

@@ -59,6 +59,12 @@ def worst_task(metrics: dict[str, float]) -> str:
     return f" (worst: {task} {rewards[task]:.3f})"
 
 
+def before_after(scores: dict[str, Any]) -> str:
+    """"44.3% -> 72.9%" from a summary's initial/final accuracy ("72.9%" where there is no before)."""
+    after = f"{scores['final_accuracy']:.1f}%"
+    return f"{scores['initial_accuracy']:.1f}% -> {after}" if scores.get("initial_accuracy") is not None else after
+
+
 class Reporter:
     def __init__(self, enabled: bool = True, console: Console | None = None) -> None:
         self.console = console or Console()
@@ -98,6 +104,20 @@ class Reporter:
 
     def training(self, total: int, completed: int) -> TrainingProgress:
         return TrainingProgress(self.console, total, completed, live=self.live and self.enabled)
+
+    def stages(self, stages: list[dict[str, Any]]) -> None:
+        """A pipeline's stages: steps and held-out before -> after, in total and per task."""
+        if not self.enabled:
+            return
+        table = Table(title="stages")
+        for column in ("stage", "kind", "steps", "held-out", "per task"):
+            table.add_column(column)
+        for stage in stages:
+            tasks = stage.get("tasks", {})
+            table.add_row(stage["stage"], stage["kind"], f"{stage['first_step']} -> {stage['optimizer_steps']}"
+                          if stage["kind"] == "rl" else str(stage["steps"]),
+                          before_after(stage), "  ".join(f"{name} {before_after(scores)}" for name, scores in tasks.items()))
+        self.console.print(table)
 
     def summary(self, summary: dict[str, Any], plots: dict[str, str]) -> None:
         if not self.enabled:

@@ -47,10 +47,21 @@ def plot_run(run_dir: Path) -> dict[str, str]:
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     plots = {**LINE_PLOTS, **_task_plots(rows), **_modality_plots(rows)}
-    result = {name: _line_plot(rows, names, title, out / f"{name}.png", log=name in LOG_SCALE)
+    boundaries = stage_boundaries(rows)
+    result = {name: _line_plot(rows, names, title, out / f"{name}.png", log=name in LOG_SCALE, boundaries=boundaries)
               for name, (names, title) in plots.items()}
     result["lag_histogram"] = _lag_histogram(rows, out / "lag_histogram.png")
     return result
+
+
+def stage_boundaries(rows: list[dict]) -> list[tuple[int, str]]:
+    """(step, name) where each stage of a pipeline begins: the first row naming it; [] for a one-stage run."""
+    boundaries: list[tuple[int, str]] = []
+    for row in rows:
+        stage = row.get("stage")
+        if stage is not None and (not boundaries or boundaries[-1][1] != stage):
+            boundaries.append((row["step"], stage))
+    return boundaries
 
 
 def _task_plots(rows: list[dict]) -> dict[str, tuple[list[str], str]]:
@@ -80,8 +91,10 @@ def _modality_plots(rows: list[dict]) -> dict[str, tuple[list[str], str]]:
     }
 
 
-def _line_plot(rows: list[dict], names: list[str], title: str, path: Path, *, log: bool) -> str:
-    """One plot of the named series over optimizer steps; its path, or why it was skipped."""
+def _line_plot(rows: list[dict], names: list[str], title: str, path: Path, *, log: bool,
+               boundaries: list[tuple[int, str]]) -> str:
+    """One plot of the named series over optimizer steps, a pipeline's stage boundaries marked; its path, or why
+    it was skipped."""
     series = {name: _series(rows, name) for name in names}
     if not any(xs for xs, _ in series.values()):
         return f"skipped: no {' or '.join(names)} in metrics.jsonl"
@@ -89,6 +102,10 @@ def _line_plot(rows: list[dict], names: list[str], title: str, path: Path, *, lo
     for name, (xs, ys) in series.items():
         if xs:
             axis.plot(xs, ys, marker="." if len(xs) < 30 else None, label=name)
+    for step, stage in boundaries[1:]:  # the first stage's start is the plot's left edge
+        axis.axvline(step, color="grey", linestyle="--", linewidth=0.8)
+        axis.annotate(stage, (step, 1.0), xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
+                      va="top", ha="right", color="grey")
     axis.set_title(title)
     if log:
         axis.set_yscale("symlog", linthresh=1e-7)  # log scale that still shows an exact 0

@@ -1,6 +1,6 @@
 """Where metrics go: one flat JSONL row per optimizer step, TensorBoard events, and optionally W&B.
 
-Rows are `{"step": int, "time": float, "<namespace>/<name>": float, ...}`. On resume, rows (and
+Rows are `{"step": int, "time": float, "<namespace>/<name>": float, ...}` (and "stage": str in a pipeline). On resume, rows (and
 TensorBoard events) after the checkpoint's step are discarded first, so a killed-and-resumed run's files
 read like an uninterrupted run's.
 """
@@ -42,7 +42,10 @@ class MetricsSink:
         wandb: bool,
         config: dict[str, Any],
         resume_step: int | None = None,
+        tags: dict[str, str] | None = None,
     ) -> None:
+        """`tags`: fields every metrics.jsonl row carries (a pipeline's stage name), kept out of TensorBoard/W&B."""
+        self.tags = dict(tags or {})
         self.metrics_path = run_dir / "metrics.jsonl"
         self.samples_path = run_dir / "samples.jsonl"
         if resume_step is not None:
@@ -66,7 +69,8 @@ class MetricsSink:
                                             dir=str(run_dir), resume="allow")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, "time": time.time(), **{k: _jsonable(float(v)) for k, v in metrics.items()}}
+        row = {"step": step, "time": time.time(), **self.tags,
+               **{k: _jsonable(float(v)) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
         if self._tensorboard is not None:

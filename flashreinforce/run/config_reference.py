@@ -32,23 +32,25 @@ def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> Iterator
     heading for its fields; an optional one (algo.hints, trainer.lora...) is also a field, off by default."""
     for name, info in model.model_fields.items():
         dotted = f"{prefix}{name}"
-        section, keyed = _section_of(info.annotation)
+        section, member = _section_of(info.annotation)
         if section is None or info.default is None:
             yield FieldDoc(dotted, describe_type(info), _default_text(info), " ".join((info.description or "").split()))
         if section is not None:
-            yield from field_docs(section, f"{dotted}.<name>." if keyed else f"{dotted}.")
+            yield from field_docs(section, f"{dotted}{member}.")
 
 
-def _section_of(annotation: object) -> tuple[type[BaseModel] | None, bool]:
-    """The model a field holds (directly, optionally, or as the values of a mapping: keyed), else None."""
+def _section_of(annotation: object) -> tuple[type[BaseModel] | None, str]:
+    """The model a field holds and how its fields are spelled below it: directly or optionally (""), as the
+    values of a mapping (".<name>") or the items of a list ("[i]"); else (None, "")."""
     for candidate in (annotation, *typing.get_args(annotation)):
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate, False
-        if typing.get_origin(candidate) is dict:
-            value = typing.get_args(candidate)[1]
+            return candidate, ""
+        origin, members = typing.get_origin(candidate), {dict: ".<name>", list: "[i]"}
+        if origin in members:
+            value = typing.get_args(candidate)[-1]
             if isinstance(value, type) and issubclass(value, BaseModel):
-                return value, True
-    return None, False
+                return value, members[origin]
+    return None, ""
 
 
 def describe_type(info: FieldInfo) -> str:
@@ -88,7 +90,7 @@ def select(docs: list[FieldDoc], section: str | None) -> list[FieldDoc]:
     """The fields under `section` (a section, a sub-section or one field); an unknown name lists the sections."""
     if section is None:
         return docs
-    chosen = [d for d in docs if d.name == section or d.name.startswith(f"{section}.")]
+    chosen = [d for d in docs if d.name == section or d.name.startswith((f"{section}.", f"{section}["))]
     if not chosen:
         raise ValueError(f"no config field or section {section!r}; sections: {', '.join(sections())}, and the "
                          f"top-level fields {', '.join(d.name for d in docs if '.' not in d.name)}")

@@ -46,7 +46,12 @@ class EvalRequest:
 
 
 def resolve_model_dir(path: Path) -> tuple[Path, Path | None]:
-    """(model directory, run directory or None) for a run dir, a checkpoints/step_* dir or a model dir."""
+    """(model directory, run directory or None) for a run dir, a checkpoints/step_* dir or a model dir. A
+    pipeline's run directory gives its newest stage that has a model (each stage's own directory is a run's)."""
+    stages = sorted((path / "stages").glob("[0-9][0-9]-*"), reverse=True)
+    done = [stage for stage in stages if latest_checkpoint(stage / "checkpoints") or (stage / "sft").is_dir()]
+    if (path / "config.yaml").is_file() and done:
+        return resolve_model_dir(done[0])
     if (path / "config.yaml").is_file():  # a run directory: its latest checkpoint, else its warm start
         checkpoint = latest_checkpoint(path / "checkpoints")
         model_dir = checkpoint / "model" if checkpoint is not None else path / "sft"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,17 +82,22 @@ def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporte
     policy = tiny_policy(config)
     if config.sft.steps:
         warm_start(config, data, policy, reporter)
-    staging = run_dir / "sft.tmp"
-    policy.model.save_pretrained(staging, safe_serialization=True)
-    policy.tokenizer.save_pretrained(staging)
-    os.replace(staging, sft_dir)
+    save_policy(policy, sft_dir)
     return policy
 
 
-def tiny_policy(config: RunConfig) -> Policy:
+def save_policy(policy: Policy, directory: Path) -> None:
+    """Model and tokenizer as a Hugging Face directory, whole or not at all (staged, then renamed)."""
+    staging = directory.with_name(directory.name + ".tmp")
+    policy.model.save_pretrained(staging, safe_serialization=True)
+    policy.tokenizer.save_pretrained(staging)
+    os.replace(staging, directory)
+
+
+def tiny_policy(config: RunConfig, kinds: Sequence[str] | None = None) -> Policy:
     """The task's characters, one token each, plus its tags as single special tokens; a small Qwen2-style
-    model of model.tiny's shape."""
-    tokenizer = tiny_tokenizer(config)
+    model of model.tiny's shape. `kinds`: the data kinds its tokenizer must hold (default: the run's tasks')."""
+    tokenizer = tiny_tokenizer(config, kinds)
     tiny = config.model.tiny
     model = build_model(len(tokenizer), tiny.hidden_size, tiny.num_layers, tiny.num_heads,
                         tiny.max_position_embeddings, pad_token_id=tokenizer.pad_token_id,
@@ -103,9 +109,10 @@ def tiny_policy(config: RunConfig) -> Policy:
     return Policy(tokenizer, model)
 
 
-def tiny_tokenizer(config: RunConfig) -> Any:
-    """The characters and tag tokens of every built-in task the run trains (in a mixture, all of theirs)."""
-    kinds = list(dict.fromkeys(task.data.kind for _, task in config.task_list()))
+def tiny_tokenizer(config: RunConfig, kinds: Sequence[str] | None = None) -> Any:
+    """The characters and tag tokens of every built-in task the run trains (in a mixture, all of theirs), or
+    of the given data kinds."""
+    kinds = list(dict.fromkeys(kinds or [task.data.kind for _, task in config.task_list()]))
     alphabet = "".join(dict.fromkeys("".join(TASKS[kind].alphabet for kind in kinds)))
     vision = (IMAGE_TOKEN,) if config.model.tiny.vision is not None else ()
     special = tuple(dict.fromkeys([*(token for kind in kinds for token in TASKS[kind].special_tokens), *vision]))

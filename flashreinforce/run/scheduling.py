@@ -14,8 +14,9 @@ from flashreinforce.run.data import Data
 from flashreinforce.types import Trajectory
 
 
-def build_run_scheduler(config: RunConfig, data: Data, kind: str | None = None) -> Scheduler:
-    """scheduler.kind (or `kind`) with its options from the config section, over the run's data order."""
+def build_run_scheduler(config: RunConfig, data: Data, kind: str | None = None, first_step: int = 0) -> Scheduler:
+    """scheduler.kind (or `kind`) with its options from the config section, over the run's data order, its first
+    batch following optimizer step `first_step` (a pipeline's later stage)."""
     schedule = config.scheduler
     kind = kind or schedule.kind
     order = run_order(config, data)
@@ -25,6 +26,7 @@ def build_run_scheduler(config: RunConfig, data: Data, kind: str | None = None) 
         batch_groups=schedule.batch_groups,
         group_size=schedule.group_size,
         group_filter=keeps_mixed_rewards if config.algo.dynamic_sampling else None,
+        first_step=first_step,
         **{name: getattr(schedule, name) for name in scheduler_options(kind)},
     )
 

@@ -44,6 +44,7 @@ from flashreinforce.run.engines import check_tiny_context, engine_shape, model_c
 from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
 from flashreinforce.run.policy import Policy, build_policy, load_policy, seed_everything
 from flashreinforce.run.scheduling import build_run_scheduler
+from flashreinforce.run.stages import StageStart, run_stages
 from flashreinforce.trainer.checkpoint import newest_intact_checkpoint
 from flashreinforce.verifiers.pool import VerifierPool
 
@@ -53,16 +54,25 @@ transformers.utils.logging.disable_progress_bar()
 
 def run_training(config: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
                  reporter: Reporter | None = None) -> dict[str, Any]:
-    """Run (or resume) the job; returns the summary also written to run_dir/summary.json."""
-    check_buildable(config)
+    """Run (or resume) the job, each of its stages in turn if it has `stages`; returns the summary also written
+    to run_dir/summary.json."""
     reporter = reporter or Reporter(enabled=config.log.progress)
     if resume:
         assert run_dir is not None, "resume needs the run directory"
-    else:
+    if config.stages:
+        return run_stages(config, run_dir, resume, reporter, run_rl_stage=run_stage)
+    return run_stage(config, run_dir, resume, reporter)
+
+
+def run_stage(config: RunConfig, run_dir: Path | None, resume: bool, reporter: Reporter,
+              stage: StageStart | None = None) -> dict[str, Any]:
+    """One RL run (a whole recipe, or one stage of a pipeline) in run_dir."""
+    check_buildable(config)
+    if not resume:
         run_dir = create_run_dir(config, run_dir)
     seed_everything(config.seed)
     torch.set_num_threads(config.backend.torch_threads)
-    summary = asyncio.run(_train(config, run_dir, resume, reporter))
+    summary = asyncio.run(_train(config, run_dir, resume, reporter, stage))
     reporter.summary(summary, plot_run(run_dir))
     return summary
 
@@ -98,10 +108,14 @@ class RunParts:
     backend: EpisodeBackend
 
 
-def starting_point(config: RunConfig, run_dir: Path, data: Data, resume: bool, reporter: Reporter) -> Start:
+def starting_point(config: RunConfig, run_dir: Path, data: Data, resume: bool, reporter: Reporter,
+                   stage: StageStart | None) -> Start:
     """The newest intact checkpoint's policy and states (damaged newer ones are set aside, with a warning),
-    else the run's initial policy."""
+    else where the stage starts (the previous stage's weights and carried trainer state), else the run's initial
+    policy."""
     resumable = newest_intact_checkpoint(run_dir / "checkpoints", set_aside=True) if resume else None
+    if resumable is None and stage is not None and stage.model_dir is not None:
+        return Start(load_policy(stage.model_dir), stage.trainer_state, None, 0.0, None)
     if resumable is None:
         return Start(build_policy(config, data, run_dir, reporter), None, None, 0.0, None)
     for aside, reason in resumable.skipped:
@@ -114,16 +128,17 @@ def starting_point(config: RunConfig, run_dir: Path, data: Data, resume: bool, r
 
 
 def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resume: bool,
-               stack: contextlib.AsyncExitStack) -> RunParts:
+               stack: contextlib.AsyncExitStack, stage: StageStart | None = None) -> RunParts:
     """Build the run's parts; `stack` closes each one that was opened, whatever fails later. The backend builds
     its own engine, trainer and verifier pool: in this process, or in Ray actors (run/backends.py)."""
     episodes = build_episodes(config, start.policy.tokenizer, start.policy.model)
     shape = engine_shape(config, episodes, data, model_context(start.policy.model), version=start.version,
                          seed=config.seed)
     opened = open_backend(config, start.policy, shape, stack)
-    scheduler = build_run_scheduler(config, data)
+    scheduler = build_run_scheduler(config, data, first_step=stage.first_version if stage is not None else 0)
     sink = MetricsSink(run_dir, tensorboard=config.log.tensorboard, wandb=config.log.wandb,
-                       config=config.model_dump(mode="json"), resume_step=start.version if resume else None)
+                       config=config.model_dump(mode="json"), resume_step=start.version if resume else None,
+                       tags={"stage": stage.name} if stage is not None else None)
     stack.callback(sink.close)
     env_pool = build_env_pool(config, opened.env_workers)
     if env_pool is not None:
@@ -135,24 +150,27 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
     return RunParts(config, run_dir, data, episodes, scheduler, opened.pool, sink, opened.trainer, backend)
 
 
-async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Reporter) -> dict[str, Any]:
+async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Reporter,
+                 stage: StageStart | None) -> dict[str, Any]:
     started = time.perf_counter()
+    first_step = stage.first_version if stage is not None else 0
+    last_step = first_step + config.trainer.steps
     data = load_data(config)
     check_verifiers(config, data)
     check_tiny_context(config, data)
-    start = starting_point(config, run_dir, data, resume, reporter)
+    start = starting_point(config, run_dir, data, resume, reporter, stage)
     async with contextlib.AsyncExitStack() as stack:
-        parts = open_parts(config, run_dir, data, start, resume, stack)
+        parts = open_parts(config, run_dir, data, start, resume, stack, stage)
         if parts.backend.pool is not None:
             await parts.backend.pool.start()  # an environment that cannot be built fails here, saying why
         held_out = HeldOut(config, parts.backend, parts.episodes, data.eval)
         initial = await initial_evaluation(parts, held_out, reporter)
         writer = CheckpointWriter(config, run_dir, parts.backend, parts.trainer,
                                   clock=lambda: start.wall_seconds + time.perf_counter() - started)
-        progress = reporter.training(total=config.trainer.steps, completed=parts.trainer.version)
+        progress = reporter.training(total=last_step, completed=parts.trainer.version)
         log = StepLog(config, parts.sink, parts.episodes, progress, initial["metrics"])
         hints = await build_hints(config, run_dir, parts.backend, parts.episodes, data.train, reporter)
-        loop = RLLoop(parts.backend, parts.scheduler, parts.episodes, loop_settings(config), on_step=log,
+        loop = RLLoop(parts.backend, parts.scheduler, parts.episodes, loop_settings(config, last_step), on_step=log,
                       on_checkpoint=writer, evaluate=held_out.metrics, hints=hints, version=parts.trainer.version)
         if start.controller_state is not None:
             await loop.restore(start.controller_state)
@@ -160,15 +178,21 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
                           f"with {len(start.controller_state['inflight'])} in-flight partial rollouts")
         with progress:
             await loop.run()
+        if stage is not None:  # the next stage has its own data and scheduler: what is still in flight ends here
+            for key in parts.scheduler.ledger.outstanding():
+                parts.scheduler.ledger.drop(key, "stage_end")
         parts.scheduler.ledger.check()
-        final = await final_evaluation(parts, held_out, log.last_eval, reporter)
+        final = await final_evaluation(parts, held_out, log.last_eval, last_step, reporter)
         summary = summarize(parts, initial["metrics"], final, writer.clock())
+        if stage is not None:
+            summary.update(stage=stage.name, first_step=first_step)
         write_json_atomic(run_dir / "summary.json", summary)
         return summary
 
 
-def loop_settings(config: RunConfig) -> LoopSettings:
-    return LoopSettings(total_steps=config.trainer.steps, sampling=rollout_params(config), seed=config.seed,
+def loop_settings(config: RunConfig, last_step: int) -> LoopSettings:
+    """The loop's settings; it stops at version `last_step` (a stage's steps after those of the stages before it)."""
+    return LoopSettings(total_steps=last_step, sampling=rollout_params(config), seed=config.seed,
                         task_sampling={name: rollout_params(config.for_task(name)) for name in config.tasks or {}},
                         checkpoint_every=config.trainer.checkpoint_every, eval_every=config.eval.every,
                         overlap=not config.deterministic, in_flight_updates=config.rollout.in_flight_updates)
@@ -183,16 +207,16 @@ async def initial_evaluation(parts: RunParts, held_out: HeldOut, reporter: Repor
             report = await held_out.report()
         initial = {"metrics": report.metrics(), "describe": report.describe()}
         write_json_atomic(path, initial)
-        parts.sink.log(0, report.metrics())
+        parts.sink.log(parts.trainer.version, report.metrics())
     reporter.note(f"before RL: {initial['describe']}")
     return initial
 
 
-async def final_evaluation(parts: RunParts, held_out: HeldOut, last_eval: dict[str, float],
+async def final_evaluation(parts: RunParts, held_out: HeldOut, last_eval: dict[str, float], last_step: int,
                            reporter: Reporter) -> dict[str, float]:
-    """The held-out score after RL, unless the last step already evaluated it (eval.every divides steps)."""
+    """The held-out score after RL, unless the last step already evaluated it (eval.every divides it)."""
     config = parts.config
-    if config.trainer.steps and config.eval.every and config.trainer.steps % config.eval.every == 0:
+    if config.trainer.steps and config.eval.every and last_step % config.eval.every == 0:
         return last_eval
     with reporter.status("held-out evaluation after RL"):
         report = await held_out.report()

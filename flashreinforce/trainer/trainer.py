@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -390,11 +390,13 @@ class Trainer:
         elif "master_weights" in state:
             load_full_weights(root, state["master_weights"])
             self.masters.copy_to_model()  # formatted shards from the loaded masters (FSDP's cast needs none)
-        load_full_optimizer_state(root, self.optimizer, state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
+        self._load_optimizer(state, lambda saved: load_full_optimizer_state(root, self.optimizer, saved))
         self.version = int(state["version"])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if set(state) == {"version"}:  # a stage after an sft stage: only the step count carries over
+            self.version = int(state["version"])
+            return
         written, own = state.get("sharding", "replicate"), "fsdp" if self.sharded else "replicate"
         if written != own:
             raise ValueError(f"trainer.sharding: the checkpoint was written with sharding {written} but this trainer "
@@ -411,9 +413,23 @@ class Trainer:
             self.lora.load_state_dict(state["lora"])
         if "master_weights" in state:  # else (fp32, or saved before masters were) they stay the model's weights
             self.masters.load_state_dict(state["master_weights"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
+        self._load_optimizer(state, self.optimizer.load_state_dict)
         self.version = int(state["version"])
+
+    def _load_optimizer(self, state: Mapping[str, Any], load: Callable[[Any], None]) -> None:
+        """A checkpoint's optimizer and schedule; or, from a stage boundary (a state without a schedule), the
+        previous stage's AdamW moments, if it carries them, under this stage's own lr, betas, weight decay and
+        fresh schedule: loading a whole optimizer state would bring back the old stage's hyperparameters."""
+        if "schedule" in state:
+            load(state["optimizer"])
+            self.schedule.load_state_dict(state["schedule"])
+            return
+        if "optimizer" not in state:
+            return
+        hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        load(state["optimizer"])
+        for group, own in zip(self.optimizer.param_groups, hyperparameters):
+            group.update(own)
 
 
 def _save_sharded(model: torch.nn.Module, directory: Path, weights: Mapping[str, torch.Tensor],

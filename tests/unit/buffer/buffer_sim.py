@@ -153,17 +153,19 @@ class Trace:
 def drive(scheduler: Scheduler, *, steps: int, slots: int, seed: int, preempt: float = 0.0,
           pause_at: int | None = None, hand_back: bool = False, rebuild: Callable[[dict], Scheduler] | None = None,
           after_admit: Callable[[Scheduler, list[RolloutTask], int], None] | None = None,
-          max_ticks: int = 20_000) -> Trace:
+          max_ticks: int = 20_000, first_step: int = 0) -> Trace:
     """Run until `steps` optimizer steps are taken. after_admit(scheduler, tasks, engine version) checks
     invariants at every admission. At tick `pause_at` the engine is paused and state_dict() taken, the way
     the controller checkpoints: the partials are kept beside the state and resubmitted after (with
     `hand_back`, they go to on_aborted instead and come back through admit). With `rebuild`, the run
-    continues in rebuild(pickled copy of the state) with pickled copies of the partials."""
+    continues in rebuild(pickled copy of the state) with pickled copies of the partials. first_step: the
+    version the engine and learner start at (a pipeline's later stage)."""
     rng = random.Random(seed)
     engine = FakeEngine(slots, seed)
+    engine.version = first_step
     trace = Trace()
-    version, training_for, tick = 0, None, 0  # training_for: ticks until the learner's update lands
-    while version < steps:
+    version, training_for, tick = first_step, None, 0  # training_for: ticks until the learner's update lands
+    while version < first_step + steps:
         tick += 1
         assert tick < max_ticks, f"no progress after {tick} ticks at version {version}: {scheduler.stats()}"
         if tick == pause_at:

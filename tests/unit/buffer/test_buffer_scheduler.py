@@ -211,3 +211,15 @@ def test_a_group_with_a_rollout_whose_environment_failed_is_dropped_as_env_error
     assert {k: r for k, r in s.ledger.dropped().items()} == {("p1", 0): "env_error", ("p1", 1): "env_error"}
     assert s.stats()["buffer/dropped_env_error"] == 2
     s.ledger.check()
+
+
+@pytest.mark.parametrize("kind, options", KINDS, ids=[f"{k}-{'-'.join(map(str, o.values()))}" for k, o in KINDS])
+def test_a_later_stage_opens_data_where_its_first_step_would_be_and_trains_each_rollout_once(kind, options):
+    """first_step=4 (a stage after 4 steps of others): the first prompts are those at positions 4B..., not the
+    data's start again, and the run is exactly-once from there."""
+    trace = drive(build(kind, batch_groups=3, group_size=2, first_step=4, **options), steps=3, slots=5, seed=1,
+                  preempt=0.1, first_step=4)
+    check_exactly_once(trace)
+    first = min(int(task.key.prompt_id[1:]) for _, task in trace.admitted)
+    assert first == 4 * 3, first
+    assert [version for version, batch in trace.batches if batch][:1] == [4]

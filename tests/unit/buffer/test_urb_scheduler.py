@@ -106,3 +106,20 @@ def test_urb_goes_on_through_any_number_of_fully_filtered_data_groups(buffer_siz
             assert sorted({x.group for x in batch}) == expected
             assert not batch or max(token_lags(version, batch)) <= N - 1
         assert trace.scheduler.skipped == len(filtered_groups)
+
+
+@pytest.mark.parametrize("buffer_size", [1, 2, 3])
+def test_urb_in_a_later_stage_trains_d_t_from_its_first_step_within_the_same_lag(buffer_size):
+    """A pipeline's stage whose first step follows step 5: D_5, D_6, ... in order, nothing more than N-1 ahead of
+    the engine's weights (the window counts from the stage's own start, not from 0)."""
+    N, first = buffer_size, 5
+    for seed in range(8):
+        def window(scheduler, tasks, version):
+            assert all(task.group // B <= min(scheduler.iteration, version) + N - 1 for task in tasks)
+
+        trace = drive(build("urb", batch_groups=B, group_size=2, buffer_size=N, first_step=first), steps=4,
+                      slots=2 + seed, seed=seed, preempt=0.2, after_admit=window, first_step=first)
+        check_exactly_once(trace, resolve_within=N - 1)
+        for t, (version, batch) in enumerate(trace.batches, start=first):
+            assert version == t and keys(batch) == d_t(t, 2)
+            assert max(token_lags(version, batch)) <= N - 1

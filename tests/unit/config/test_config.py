@@ -84,3 +84,37 @@ def test_overrides_may_come_before_and_after_an_option(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--dry-run", "--no-such-option"])
     assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+STAGED = ["tasks={sums: {weight: 2, data: {kind: arithmetic}}, game: {data: {kind: text_game}, env: {kind: text_game}}}"]
+
+
+def test_a_stage_takes_the_recipes_tasks_by_name_and_merges_its_sections_over_the_recipe():
+    config = load_config("arithmetic", [*STAGED, "trainer.lr=1e-4", "sft.steps=30", (
+        "stages=[{name: warm, kind: sft, steps: 50},"
+        " {name: one, steps: 20, tasks: {sums: {weight: 5}}, algo: {options: {baseline: task}}},"
+        " {name: all, steps: 10, optimizer: reset, trainer: {lr: 2.0e-5}}]")])
+    warm, one, every = (config.stage(i) for i in range(3))
+    assert warm.sft.steps == 50 and warm.stages is None
+    assert list(one.tasks) == ["sums"] and one.tasks["sums"].weight == 5
+    assert one.tasks["sums"].data.kind == "arithmetic", "a named task keeps the recipe's definition"
+    assert one.trainer.steps == 20 and one.trainer.lr == 1e-4 and one.algo.options == {"baseline": "task"}
+    assert list(every.tasks) == ["sums", "game"] and every.trainer.lr == 2e-5 and every.trainer.steps == 10
+
+
+@pytest.mark.parametrize(("stages", "message"), [
+    ("[{name: a, steps: 5}, {name: a, steps: 5}]", r"stages\[1\].name='a': a stage name is unique"),
+    ("[{name: a, steps: 5, trainer: {lr: -1}}]", r"stages\[0\] \(a\), merged over the recipe: trainer.lr"),
+    ("[{name: a, steps: 5, tasks: {new: {weight: 1}}}]", r"stages\[0\] \(a\), merged over the recipe: tasks.new.data: Field required"),
+    ("[{name: a, steps: 5, model: {path: x}}]", r"stages.0.model: unknown field"),
+    ("[]", "stages: empty"),
+])
+def test_a_bad_stage_is_named_at_load(stages, message):
+    with pytest.raises(ValueError, match=message):
+        load_config("arithmetic", [*STAGED, f"stages={stages}"])
+
+
+def test_an_sft_stage_needs_the_tiny_model():
+    with pytest.raises(ValueError, match=r"stages\[0\] \(w\): kind sft .* make it an rl stage"):
+        load_config("own_model", ["model.path=org/name", "data.train=a.jsonl", "data.eval=b.jsonl",
+                                  "stages=[{name: w, kind: sft, steps: 5}]"])

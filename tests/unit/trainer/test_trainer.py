@@ -94,12 +94,12 @@ def _two_task_rows(base):
             for i, t in enumerate(rows)]
 
 
-def _trainer(model, loss, microbatch_size, microbatch_tokens=None, loss_options=None, **options):
+def _trainer(model, loss, microbatch_size, microbatch_tokens=None, loss_options=None, lr=1e-2, **options):
     return Trainer(
         model,
         loss=loss,
         loss_options=loss_options or {},
-        optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0,
+        optimizer=OptimizerSettings(lr=lr, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0,
                                     total_steps=10, min_lr_ratio=1.0, grad_clip=1e9),
         microbatch_size=microbatch_size,
         microbatch_tokens=microbatch_tokens,
@@ -345,3 +345,30 @@ def test_misc_bands_mask_each_modality_by_its_own_band_and_say_so_per_modality()
     assert metrics["modality/image/masked_fraction"] == 1.0
     tokens = {m: sum(t.num_policy_tokens for t in rows if t.prompt.modality == m) for m in ("text", "image")}
     assert metrics["loss/mismatch/masked_fraction"] == pytest.approx(tokens["image"] / sum(tokens.values()))
+
+
+def test_a_stage_keeps_adams_moments_under_its_own_lr_and_a_fresh_schedule():
+    """A state without a schedule (a stage boundary) carries AdamW's moments, not the old lr or step count."""
+    base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
+    batch = _on_policy_batch(base, rows=8, group_size=1)
+    first = _trainer(copy.deepcopy(base), "flashreinforce", microbatch_size=8)
+    first.step(batch)
+    first.step(batch)
+    state = {k: v for k, v in first.state_dict().items() if k != "schedule"}
+    kept, reset = (_trainer(copy.deepcopy(first.model), "flashreinforce", 8, lr=1e-3) for _ in range(2))
+    kept.load_state_dict(state)
+    reset.load_state_dict({k: v for k, v in state.items() if k != "optimizer"})
+    assert kept.version == reset.version == 2
+    moments = [kept.optimizer.state[p]["exp_avg"] for p in kept.optimizer.param_groups[0]["params"]]
+    assert moments and all(m.abs().sum() > 0 for m in moments) and not reset.optimizer.state
+    assert all(group["lr"] == 1e-3 for group in kept.optimizer.param_groups), "the old stage's lr came back"
+    assert kept.step(batch)["optim/lr"] == reset.step(batch)["optim/lr"] == 1e-3
+    assert kept.schedule.last_epoch == 1  # the new stage's schedule counts from its own start
+    moved = [(a - b).abs().max() for a, b in zip(kept.model.parameters(), reset.model.parameters())]
+    assert max(moved) > 0, "carried moments must change the step"
+
+
+def test_a_stage_after_sft_carries_only_the_step_count():
+    trainer = _trainer(build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1), "flashreinforce", 8)
+    trainer.load_state_dict({"version": 7})
+    assert trainer.version == 7 and not trainer.optimizer.state
