@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from flashreinforce.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_states
-from run_ledger import final_ledger
+from run_ledger import final_ledger, kill_when
 
 pytestmark = pytest.mark.slow  # 2-3 whole `flashreinforce train` subprocesses a test, ~10-19 s each on 2 cores
 # (most of a run is the interpreter importing torch and transformers, ~4 s, which no smaller config removes)
@@ -34,19 +34,7 @@ def _run(command: list[str]) -> None:
 
 def _kill_midway(command: list[str], run_dir: Path, after_step: int, delay: float) -> int:
     """Start a run, SIGKILL it `delay` seconds after checkpoint `after_step` appears; returns its pid."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 240
-        while not (run_dir / "checkpoints" / f"step_{after_step:06d}").exists():
-            assert process.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.02)
-        time.sleep(delay)
-        assert process.poll() is None, "the run finished before the kill: lower the delay or add steps"
-    finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    return process.pid
+    return kill_when(command, run_dir / "checkpoints" / f"step_{after_step:06d}", delay)
 
 
 def _trainer_children(parent_pid: int) -> list[int]:

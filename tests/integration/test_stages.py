@@ -3,10 +3,8 @@ at aimed moments, boundaries included, and resumed: bitwise equal to an uninterr
 mode, every rollout trained once or recorded dropped in the overlapped mode."""
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from safetensors.torch import load_file
 
 from flashreinforce.run.evaluation import resolve_model_dir
 from flashreinforce.trainer.checkpoint import latest_checkpoint
-from run_ledger import final_ledger
+from run_ledger import final_ledger, kill_when
 
 pytestmark = pytest.mark.slow  # a whole pipeline is ~11 s on 2 cores; each test runs two to three
 
@@ -33,22 +31,6 @@ def _command(run_dir: Path, mix_run: list[str], *extra: str) -> list[str]:
 def _resume(run_dir: Path) -> None:
     subprocess.run([sys.executable, "-m", "flashreinforce", "train", "--resume", str(run_dir)], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
-
-
-def _kill_when(command: list[str], marker: Path, delay: float) -> None:
-    """Start a pipeline and SIGKILL it `delay` seconds after `marker` appears."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 240
-        while not marker.exists():
-            assert process.poll() is None, f"the run ended before {marker} appeared"
-            assert time.monotonic() < deadline, f"{marker} did not appear"
-            time.sleep(0.01)
-        time.sleep(delay)
-        assert process.poll() is None, "the run finished before the kill"
-    finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait()
 
 
 def _final_weights(run_dir: Path) -> dict:
@@ -114,7 +96,7 @@ def test_deterministic_pipeline_killed_anywhere_resumes_bitwise(marker, mix_run,
     subprocess.run(_command(straight, mix_run, "--deterministic"), check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.PIPE, timeout=300)
     killed = tmp_path / "killed"
-    _kill_when(_command(killed, mix_run, "--deterministic"), killed / marker, delay=0.0)
+    kill_when(_command(killed, mix_run, "--deterministic"), killed / marker, delay=0.0)
     assert not (killed / "summary.json").exists()
     _resume(killed)
     _assert_once(killed)
@@ -126,7 +108,7 @@ def test_deterministic_pipeline_killed_anywhere_resumes_bitwise(marker, mix_run,
 @pytest.mark.parametrize("marker", ["stages/02-sums/checkpoints/step_000002", "stages/02-sums/summary.json"])
 def test_overlapped_pipeline_killed_and_resumed_trains_every_rollout_once(marker, mix_run, tmp_path):
     run_dir = tmp_path / "run"
-    _kill_when(_command(run_dir, mix_run), run_dir / marker, delay=0.05)
+    kill_when(_command(run_dir, mix_run), run_dir / marker, delay=0.05)
     _resume(run_dir)
     _assert_once(run_dir)
 
