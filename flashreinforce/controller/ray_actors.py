@@ -83,6 +83,10 @@ class EngineActor:
             self.done.append(future.result())
         self.wake.set()
 
+    async def in_flight(self) -> int:
+        """How many requests this engine holds now (submitted, not yet finished, aborted or paused)."""
+        return len(self.futures)
+
     async def finished(self, wait_s: float) -> EngineReport:
         """What finished since the last poll; waits up to `wait_s` for something to finish (a long poll)."""
         if not self.done and self.failure is None:

@@ -28,15 +28,22 @@ RAY_RUN = ["backend.kind=ray", "backend.num_engines=2", f"scheduler.batch_groups
 
 
 
-def _kill_when(run_dir: Path, step: int, suffix: str, no_restart: bool) -> threading.Thread:
-    """In the background: once checkpoint `step` is written, kill the run's actor named *`suffix`."""
+def _kill_when(run_dir: Path, step: int, suffix: str, no_restart: bool, holding_work: bool = False) -> threading.Thread:
+    """In the background: once checkpoint `step` is written (and, with `holding_work`, once the actor, an engine,
+    holds requests in flight), kill the run's actor named *`suffix`."""
     def kill() -> None:
         deadline = time.monotonic() + 300
         while not (run_dir / "checkpoints" / f"step_{step:06d}").exists():
             assert time.monotonic() < deadline, "no checkpoint appeared"
             time.sleep(0.02)
         (name,) = [n for n in ray.util.list_named_actors() if n.endswith(suffix)]
-        ray.kill(ray.get_actor(name), no_restart=no_restart)
+        actor = ray.get_actor(name)
+        # Right after a checkpoint the engines may be paused for a push, holding nothing: a kill then would
+        # requeue nothing and leave that path unchecked.
+        while holding_work and ray.get(actor.in_flight.remote()) == 0:
+            assert time.monotonic() < deadline, "the engine never held a request"
+            time.sleep(0.005)
+        ray.kill(actor, no_restart=no_restart)
 
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
@@ -62,7 +69,7 @@ def _assert_exactly_once(run_dir: Path, steps: int) -> dict:
 def test_a_killed_engine_is_restarted_and_the_run_loses_nothing(tiny_run, tmp_path, weight_sync):
     run_dir, steps = tmp_path / "run", 6
     config = load_config(None, [*tiny_run, *RAY_RUN, *weight_sync, f"trainer.steps={steps}"])
-    killer = _kill_when(run_dir, 1, "-engine-0", no_restart=False)  # Ray restarts it
+    killer = _kill_when(run_dir, 1, "-engine-0", no_restart=False, holding_work=not weight_sync)  # Ray restarts it
     run_training(config, run_dir=run_dir)  # checks the ledger itself at the end
     killer.join(timeout=1)
     assert not killer.is_alive()
