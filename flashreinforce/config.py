@@ -19,6 +19,9 @@ from flashreinforce.data import instructions
 from flashreinforce.verifiers.registry import parse_spec
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
+LOSS_NAMES = ("flashreinforce", "grpo", "drgrpo", "dapo", "gspo", "gspo_token", "misc", "rloo", "reinforce++",
+              "reinforce++-baseline")
+"""algorithms/losses.py's LOSSES, by name (checked here without importing torch; a test keeps them equal)."""
 SINGLE_ROLLOUT_LOSSES = frozenset({"flashreinforce", "reinforce++"})
 """Losses whose baseline is not a per-prompt group, so group_size=1 is meaningful."""
 DEFAULT_RECIPE = "arithmetic"
@@ -460,6 +463,14 @@ class AlgoConfig(_Section):
     reinforce++-baseline."""
     options: dict[str, Any] = {}
     """Keyword options of the chosen objective (e.g. delta, negative_token_fraction, eps_low, mismatch)."""
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        if value not in LOSS_NAMES:
+            raise ValueError(f"unknown loss {value!r}: choose one of {', '.join(LOSS_NAMES)}")
+        return value
+
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more."""
     overlong: OverlongConfig | None = None
@@ -793,7 +804,8 @@ class RunConfig(_Section):
 
     def stage(self, index: int) -> RunConfig:
         """The config stage `index` runs under: the recipe without `stages`, the stage's sections deep-merged over
-        it (its `tasks` chosen by name from the recipe's), and its steps as trainer.steps (sft.steps for sft)."""
+        it (its `tasks` chosen by name from the recipe's; with another `algo.loss`, only its own `algo.options`),
+        and its steps as trainer.steps (sft.steps for sft)."""
         stage = self.stages[index]
         tree = self.model_dump(mode="json", exclude={"stages"})
         for section in STAGE_SECTIONS:
@@ -803,6 +815,10 @@ class RunConfig(_Section):
             if section == "tasks":
                 catalogue = tree.get("tasks") or {}
                 tree["tasks"] = {name: _merge(catalogue.get(name, {}), override or {}) for name, override in given.items()}
+            elif section == "algo" and given.get("loss", tree["algo"]["loss"]) != tree["algo"]["loss"]:
+                # Options belong to a loss (FlashREINFORCE's baseline means nothing to MISC): another loss starts
+                # from its own defaults and the options the stage gives.
+                tree["algo"] = _merge({**tree["algo"], "options": {}}, given)
             else:
                 tree[section] = _merge(tree[section], given)
         tree["sft" if stage.kind == "sft" else "trainer"]["steps"] = stage.steps
@@ -895,15 +911,23 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
-    node = tree
-    for key in keys[:-1]:
-        child = node.get(key)
-        if child is None:
-            child = node[key] = {}
-        if not isinstance(child, dict):
-            raise ValueError(f"override {'.'.join(keys)}: {key} is a value, not a section")
-        node = child
-    node[keys[-1]] = value
+    """tree[k1][k2]... = value; a numeric key indexes a list (`stages.1.steps=40`), a missing section is made."""
+    node: Any = tree
+    for depth, key in enumerate(keys):
+        parent = ".".join(keys[:depth])
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ValueError(f"override {'.'.join(keys)}: {parent} is a list of {len(node)}: index it with "
+                                 f"0 to {len(node) - 1}, not {key!r}")
+            key = int(key)
+        elif not isinstance(node, dict):
+            raise ValueError(f"override {'.'.join(keys)}: {parent} is a value, not a section")
+        if depth == len(keys) - 1:
+            node[key] = value
+            return
+        if isinstance(node, dict) and node.get(key) is None:
+            node[key] = {}
+        node = node[key]
 
 
 def format_validation_error(error: ValidationError) -> str:

@@ -56,6 +56,8 @@ class LossSpec:
     """Every option of the objective with the value it takes when not given (read-only)."""
     advantage_options: type | None = None
     """The estimator's options dataclass (e.g. WhitenOptions for REINFORCE++), None when it takes none."""
+    objective_options: type | None = None
+    """The objective's options dataclass (ClipOptions, MiscOptions, ...), which checks their values."""
 
     @property
     def advantage_defaults(self) -> Mapping[str, Any]:
@@ -73,6 +75,12 @@ class LossSpec:
         if self.advantage_options is not None:
             self.advantage_options(**advantage)
         return advantage, {k: v for k, v in options.items() if k not in self.advantage_defaults}
+
+    def check_options(self, options: Mapping[str, Any], loss: str) -> None:
+        """Every option known to this loss and of a valid value (ValueError naming it), before any work."""
+        _, objective = self.split_options(options, loss)
+        if self.objective_options is not None:
+            self.objective_options(**{**self.defaults, **objective})
 
 
 @dataclass(frozen=True)
@@ -106,9 +114,9 @@ def _spec(advantages: Callable, objective: Callable, options: object,
     defaults = MappingProxyType(asdict(options))
     estimator = _called_as_every_spec(advantages)
     if advantage_options is None:
-        return LossSpec(estimator, partial(objective, **defaults), defaults)
+        return LossSpec(estimator, partial(objective, **defaults), defaults, None, type(options))
     return LossSpec(partial(estimator, **asdict(advantage_options())), partial(objective, **defaults), defaults,
-                    advantage_options)
+                    advantage_options, type(options))
 
 
 def _called_as_every_spec(estimator: Callable[..., Tensor]) -> Callable[..., Tensor]:

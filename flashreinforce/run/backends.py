@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from flashreinforce.algorithms.losses import LOSSES
 from flashreinforce.config import RunConfig
 from flashreinforce.controller.backend import Backend
 from flashreinforce.controller.episodes import EpisodeBackend, EpisodeSettings, TaskRoute
@@ -190,7 +191,9 @@ def verifier_reference(value: str | dict[str, Any]) -> str:
 
 
 def check_buildable(config: RunConfig) -> None:
-    """Fail before any work when the config names a part this build has no builder for, saying so."""
+    """Fail before any work when the config names a part this build has no builder for, or options its loss
+    does not take, saying so."""
+    LOSSES[config.algo.loss].check_options(config.algo.options, config.algo.loss)
     pick_builder(ENGINES, "rollout.engine", config.rollout.engine)
     pick_builder(BACKENDS, "backend.kind", config.backend.kind)
     if config.backend.kind == "ray":

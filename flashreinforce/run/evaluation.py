@@ -10,7 +10,7 @@ from pathlib import Path
 from flashreinforce.config import RunConfig, config_from_tree, load_config
 from flashreinforce.controller.local import LocalBackend
 from flashreinforce.data.loaders import load_prompts
-from flashreinforce.eval.evaluate import evaluate
+from flashreinforce.eval.evaluate import EvalReport, evaluate
 from flashreinforce.models.causal_lm import model_dir_problem
 from flashreinforce.run.backends import (
     build_env_pool,
@@ -77,16 +77,32 @@ def evaluate_checkpoint(request: EvalRequest) -> dict:
     config = config_from_tree(read_run_config(run_dir)) if run_dir is not None else load_config(request.recipe)
     config = with_budget(config, request.max_new_tokens)
     data = eval_data(config, request)
-    params = {name: SamplingParams(max_new_tokens=task.rollout.max_new_tokens, temperature=request.temperature,
-                                   top_p=request.top_p, stop_strings=tuple(task.env.stop_strings))
+    report = score_prompts(config, model_dir, data, k=request.k, temperature=request.temperature,
+                           top_p=request.top_p, seed=request.seed)
+    print(f"{model_dir}: {report.describe()}")
+    result = {"model": str(model_dir), **report.metrics(), "k": request.k, "num_prompts": len(data.eval),
+              "temperature": request.temperature, "top_p": request.top_p,
+              "max_new_tokens": max(task.rollout.max_new_tokens
+                                    for task in (config.for_task(name) for name, _ in config.task_list()))}
+    if request.json_path is not None:
+        request.json_path.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def score_prompts(config: RunConfig, model_dir: Path, data: Data, *, k: int, temperature: float = 1.0,
+                  top_p: float = 1.0, seed: int = 0) -> EvalReport:
+    """`k` samples of the model at `model_dir` on each of `data.eval` (each task's own sampling budget and stop
+    strings, the run's environments and verifiers) on a fresh engine: the report keeps each prompt's count of
+    correct samples, so a caller can follow any subset of prompts across checkpoints."""
+    params = {name: SamplingParams(max_new_tokens=task.rollout.max_new_tokens, temperature=temperature,
+                                   top_p=top_p, stop_strings=tuple(task.env.stop_strings))
               for name, task in ((name, config.for_task(name)) for name, _ in config.task_list())}
     policy = load_policy(model_dir)
     episodes = build_episodes(config, policy.tokenizer, policy.model)
-    shape = engine_shape(config, episodes, data, model_context(policy.model), version=0, seed=request.seed)
+    shape = engine_shape(config, episodes, data, model_context(policy.model), version=0, seed=seed)
     engine = build_engine(config, policy, shape)
-    prompts = data.eval
 
-    async def run() -> dict:
+    async def run() -> EvalReport:
         with build_verifier_pool(config) as pool:
             env_pool = build_env_pool(config)
             inner = LocalBackend(engine, None, pool, policy.tokenizer, overlap=False)
@@ -94,21 +110,14 @@ def evaluate_checkpoint(request: EvalRequest) -> dict:
             try:
                 if env_pool is not None:
                     await env_pool.start()
-                report = await evaluate(backend, episodes, prompts, k=request.k, params=next(iter(params.values())),
-                                        seed=request.seed, greedy=config.eval.greedy, task_params=params)
+                return await evaluate(backend, episodes, data.eval, k=k, params=next(iter(params.values())),
+                                      seed=seed, greedy=config.eval.greedy, task_params=params)
             finally:
                 await backend.close()
                 if env_pool is not None:
                     await env_pool.aclose()
-        print(f"{model_dir}: {report.describe()}")
-        return {"model": str(model_dir), **report.metrics(), "k": request.k, "num_prompts": len(prompts),
-                "temperature": request.temperature, "top_p": request.top_p,
-                "max_new_tokens": max(p.max_new_tokens for p in params.values())}
 
-    result = asyncio.run(run())
-    if request.json_path is not None:
-        request.json_path.write_text(json.dumps(result, indent=2))
-    return result
+    return asyncio.run(run())
 
 
 def with_budget(config: RunConfig, max_new_tokens: int | None) -> RunConfig:

@@ -51,6 +51,11 @@ class StageStart:
     (optimizer: keep); never the previous stage's lr schedule."""
 
 
+def first_step(stage: StageStart | None) -> int:
+    """The optimizer steps taken before a run or stage: a one-stage run starts at 0."""
+    return stage.first_version if stage is not None else 0
+
+
 RunRLStage = Callable[[RunConfig, Path, bool, Reporter, StageStart], dict[str, Any]]
 """run/training.py's run_stage: (stage config, stage directory, resume, reporter, start) -> its summary."""
 
@@ -153,6 +158,17 @@ def write_pipeline_metrics(run_dir: Path, summaries: list[dict[str, Any]]) -> No
     os.replace(staging, run_dir / "metrics.jsonl")
 
 
+def pipeline_start_score(summaries: list[dict[str, Any]]) -> float:
+    """Held-out before RL on the last stage's prompts, as a one-stage run has it: the earliest score over the same
+    tasks (an SFT stage's after its warm start, or an RL stage's at its start). Stages in between may train fewer
+    tasks: comparing the first RL stage's start with the end would compare different prompts."""
+    last = summaries[-1]
+    for summary in summaries:
+        if set(summary.get("tasks", {})) == set(last.get("tasks", {})):
+            return summary.get("initial_accuracy", summary["final_accuracy"])
+    return last.get("initial_accuracy", last["final_accuracy"])
+
+
 def pipeline_summary(run_dir: Path, config: RunConfig, summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """The whole pipeline: its stages' summaries in order, and totals over them."""
     dropped: dict[str, int] = {}
@@ -160,13 +176,11 @@ def pipeline_summary(run_dir: Path, config: RunConfig, summaries: list[dict[str,
         for reason, count in summary.get("dropped_trajectories", {}).items():
             dropped[reason] = dropped.get(reason, 0) + count
     last = summaries[-1]
-    # Before RL, as a one-stage run has it: the first RL stage's start (after any SFT before it).
-    first_rl = next((s for s in summaries if "initial_accuracy" in s), last)
     return {
         "run_dir": str(run_dir),
         "recipe": config.name,
         "stages": summaries,
-        "initial_accuracy": first_rl.get("initial_accuracy", first_rl["final_accuracy"]),
+        "initial_accuracy": pipeline_start_score(summaries),
         "final_accuracy": last["final_accuracy"],
         "eval_k": config.eval.k,
         "optimizer_steps": last["optimizer_steps"],

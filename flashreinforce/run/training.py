@@ -44,7 +44,7 @@ from flashreinforce.run.engines import check_tiny_context, engine_shape, model_c
 from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
 from flashreinforce.run.policy import Policy, build_policy, load_policy, seed_everything
 from flashreinforce.run.scheduling import build_run_scheduler
-from flashreinforce.run.stages import StageStart, run_stages
+from flashreinforce.run.stages import StageStart, first_step, run_stages
 from flashreinforce.trainer.checkpoint import newest_intact_checkpoint
 from flashreinforce.verifiers.pool import VerifierPool
 
@@ -60,6 +60,12 @@ def run_training(config: RunConfig, *, run_dir: Path | None = None, resume: bool
     if resume:
         assert run_dir is not None, "resume needs the run directory"
     if config.stages:
+        for index, stage in enumerate(config.stages):  # a part the last stage lacks stops the run before the first
+            if stage.kind == "rl":
+                try:
+                    check_buildable(config.stage(index))
+                except ValueError as error:
+                    raise ValueError(f"stages[{index}] ({stage.name}): {error}") from None
         return run_stages(config, run_dir, resume, reporter, run_rl_stage=run_stage)
     return run_stage(config, run_dir, resume, reporter)
 
@@ -135,7 +141,7 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
     shape = engine_shape(config, episodes, data, model_context(start.policy.model), version=start.version,
                          seed=config.seed)
     opened = open_backend(config, start.policy, shape, stack)
-    scheduler = build_run_scheduler(config, data, first_step=stage.first_version if stage is not None else 0)
+    scheduler = build_run_scheduler(config, data, first_step=first_step(stage))
     sink = MetricsSink(run_dir, tensorboard=config.log.tensorboard, wandb=config.log.wandb,
                        config=config.model_dump(mode="json"), resume_step=start.version if resume else None,
                        tags={"stage": stage.name} if stage is not None else None)
@@ -153,8 +159,7 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
 async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Reporter,
                  stage: StageStart | None) -> dict[str, Any]:
     started = time.perf_counter()
-    first_step = stage.first_version if stage is not None else 0
-    last_step = first_step + config.trainer.steps
+    last_step = first_step(stage) + config.trainer.steps
     data = load_data(config)
     check_verifiers(config, data)
     check_tiny_context(config, data)
@@ -185,7 +190,7 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
         final = await final_evaluation(parts, held_out, log.last_eval, last_step, reporter)
         summary = summarize(parts, initial["metrics"], final, writer.clock())
         if stage is not None:
-            summary.update(stage=stage.name, first_step=first_step)
+            summary.update(stage=stage.name, first_step=stage.first_version)
         write_json_atomic(run_dir / "summary.json", summary)
         return summary
 

@@ -55,30 +55,52 @@ def sft_warm_start(
     losses = []
     for step in range(steps):
         picks = torch.randint(len(examples), (batch_size,), generator=generator).tolist()
-        rows = [(list(examples[i][0]), list(examples[i][1])) for i in picks]
-        masks = [_completion_mask(examples[i]) for i in picks]
-        images = tuple(examples[i].images if isinstance(examples[i], ImageExample) else () for i in picks)
-        width = max(len(p) + len(c) for p, c in rows)
-        input_ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)  # (B, T)
-        attention_mask = torch.zeros((batch_size, width), dtype=torch.bool)
-        target_mask = torch.zeros((batch_size, width), dtype=torch.bool)
-        for row, ((prompt, completion), mask) in enumerate(zip(rows, masks)):
-            n = len(prompt) + len(completion)
-            input_ids[row, :n] = torch.tensor(prompt + completion)
-            attention_mask[row, :n] = True
-            target_mask[row, len(prompt):n] = torch.tensor(mask, dtype=torch.bool)
-        logprobs, _ = token_logprobs(model, input_ids, attention_mask, with_entropy=False,
-                                     images=images if any(images) else ())
-        loss = -(logprobs * target_mask).sum() / target_mask.sum()
         model.zero_grad(set_to_none=True)  # the masters' grads are assigned whole by grads_to_masters
-        loss.backward()
+        targets = sum(sum(_completion_mask(examples[i])) for i in picks)
+        loss = 0.0
+        for chunk in length_chunks([len(examples[i][0]) + len(examples[i][1]) for i in picks]):
+            # The mean over every target of the batch, summed chunk by chunk: one chunk's backward at a time.
+            chunk_loss = -_target_logprob_sum(model, [examples[picks[j]] for j in chunk], pad_token_id) / targets
+            chunk_loss.backward()
+            loss += float(chunk_loss.detach())
         masters.grads_to_masters()
         optimizer.step()
         masters.copy_to_model()
-        losses.append(float(loss.detach()))
+        losses.append(loss)
         if on_step is not None:
             on_step(step, losses[-1])
     return losses
+
+
+def length_chunks(lengths: Sequence[int], spread: float = 1.5) -> list[list[int]]:
+    """Indices of `lengths` in runs of similar length (sorted; a run's longest at most `spread` x its shortest),
+    so a batch that holds a few long rows (a multi-turn trace among short answers) pads each run to its own
+    longest row instead of every row to the batch's longest."""
+    chunks: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if chunks and lengths[index] <= spread * lengths[chunks[-1][0]]:
+            chunks[-1].append(index)
+        else:
+            chunks.append([index])
+    return chunks
+
+
+def _target_logprob_sum(model: torch.nn.Module, examples: Sequence, pad_token_id: int) -> torch.Tensor:
+    """The summed log-probability of the examples' target tokens, in one padded forward."""
+    rows = [(list(example[0]), list(example[1])) for example in examples]
+    images = tuple(example.images if isinstance(example, ImageExample) else () for example in examples)
+    width = max(len(p) + len(c) for p, c in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    target_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for row, ((prompt, completion), example) in enumerate(zip(rows, examples)):
+        n = len(prompt) + len(completion)
+        input_ids[row, :n] = torch.tensor(prompt + completion)
+        attention_mask[row, :n] = True
+        target_mask[row, len(prompt):n] = torch.tensor(_completion_mask(example), dtype=torch.bool)
+    logprobs, _ = token_logprobs(model, input_ids, attention_mask, with_entropy=False,
+                                 images=images if any(images) else ())
+    return (logprobs * target_mask).sum()
 
 
 def _completion_mask(example: tuple) -> list[int]:

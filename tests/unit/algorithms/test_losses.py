@@ -118,3 +118,21 @@ def test_bad_option_values_raise_value_error(name, option):
     norm = global_norm(batch["mask"], batch["rewards"], max_new_tokens=8)
     with pytest.raises(ValueError, match=next(iter(option)).split("_")[0]):
         LOSSES[name].objective(inputs_for(batch, batch["policy"], advantages), norm, **option)
+
+
+def test_the_config_knows_every_loss_by_name():
+    from flashreinforce.config import LOSS_NAMES
+
+    assert LOSS_NAMES == tuple(LOSSES)
+
+
+@pytest.mark.parametrize(("loss", "options", "message"), [
+    ("misc", {"baseline": "task"}, r"unknown option\(s\) \['baseline'\] for loss 'misc'"),
+    ("misc", {"eps_low": -1}, "eps_low=-1"),
+    ("flashreinforce", {"baseline": "prompt"}, "baseline='prompt'"),
+    ("grpo", {"mismatch": "sometimes"}, "mismatch"),
+])
+def test_check_options_names_an_unknown_option_or_a_bad_value_before_any_work(loss, options, message):
+    with pytest.raises(ValueError, match=message):
+        LOSSES[loss].check_options(options, loss)
+    LOSSES[loss].check_options({}, loss)  # the defaults are valid

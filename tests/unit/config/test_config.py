@@ -36,6 +36,16 @@ def test_overrides_reach_nested_fields():
     assert math.isinf(config.algo.options["delta"])
 
 
+def test_a_numeric_override_key_indexes_a_list_and_a_bad_index_names_the_range():
+    config = load_config("ernie", ["stages.1.steps=7", "stages.3.scheduler.batch_groups=6"])
+    assert config.stages[1].steps == 7 and config.stages[3].scheduler["batch_groups"] == 6
+    assert config.stages[2].steps == load_config("ernie").stages[2].steps
+    with pytest.raises(ValueError, match="stages is a list of 4: index it with 0 to 3, not '4'"):
+        load_config("ernie", ["stages.4.steps=1"])
+    with pytest.raises(ValueError, match="seed is a value, not a section"):
+        load_config(None, ["seed.x=1"])
+
+
 def test_inherited_recipe_keeps_parent_fields_and_overrides_its_own():
     child = load_config("arithmetic_grpo")
     parent = load_config("arithmetic")
@@ -112,6 +122,26 @@ def test_a_stage_takes_the_recipes_tasks_by_name_and_merges_its_sections_over_th
 def test_a_bad_stage_is_named_at_load(stages, message):
     with pytest.raises(ValueError, match=message):
         load_config("arithmetic", [*STAGED, f"stages={stages}"])
+
+
+def test_a_stage_naming_another_loss_takes_only_its_own_options():
+    config = load_config("multitask", ["stages=[{name: a, steps: 5}, {name: b, steps: 5, scheduler: {group_size: 2},"
+                                       " algo: {loss: misc, options: {eps_high: 0.001}}}, {name: c, steps: 5,"
+                                       " algo: {options: {baseline: batch}}}]"])
+    assert config.algo.options == {"baseline": "task"}
+    assert config.stage(0).algo.options == {"baseline": "task"}
+    assert config.stage(1).algo.loss == "misc" and config.stage(1).algo.options == {"eps_high": 0.001}
+    assert config.stage(2).algo.options == {"baseline": "batch"}, "the same loss merges its options"
+
+
+def test_a_stage_with_options_its_loss_does_not_take_stops_the_run_before_the_first_stage(tmp_path):
+    from flashreinforce.run import run_training
+
+    config = load_config("arithmetic", ["stages=[{name: a, steps: 5}, {name: b, steps: 5, scheduler: {group_size: 2},"
+                                        " algo: {loss: misc, options: {eps_low: -1}}}]"])
+    with pytest.raises(ValueError, match=r"stages\[1\] \(b\): option eps_low=-1"):
+        run_training(config, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_sft_stage_needs_the_tiny_model():
