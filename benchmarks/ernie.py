@@ -11,7 +11,7 @@ with the overrides its claim names, so two runs of a claim differ in one thing. 
   rollouts trained at another step than their data-order step;
 - icepop: GSPO with sequence-level IcePop (`algo.loss=gspo`, `mismatch: seq_icepop`) against MISC (GSPO-token
   with a token IcePop mask, a narrower band for image tokens) on the text+image batch, the rollout in bf16 so
-  behavior and trainer log-probs differ: policy entropy per modality over the steps, the masked token fraction
+  behavior and trainer log-probs differ (`precision.rollout=fp8` on the command line for a larger mismatch): policy entropy per modality over the steps, the masked token fraction
   per modality, held-out per modality (image: `most`; text: the mean of the three text tasks);
 - wpsm: MISC with well-learned positive sample masking against the same MISC run without it: entropy and
   held-out of the easy task (`most`, ~67% after the warm start) and the hard one (`tool`, ~10%);
@@ -82,24 +82,37 @@ class Run:
         return scores["initial_accuracy"], scores["final_accuracy"]
 
 
-def warm_start(base: list[str], out: Path) -> Path:
-    """The multitask recipe's SFT model, built once per settings under OUT/warm."""
-    model = out / "warm" / "sft"
-    if not (model / "config.json").is_file():
-        sft_only(load_config("multitask", base), out / "warm")
-    return model
+@dataclass(frozen=True)
+class Bench:
+    """Where the runs go and the overrides around each claim's own."""
+
+    out: Path
+    first: list[str]
+    """Before a claim's overrides (--quick's sizes)."""
+    last: list[str]
+    """After them: the command line's overrides win (e.g. precision.rollout=fp8 for the icepop claim)."""
+
+    @property
+    def warm(self) -> Path:
+        return self.out / "warm" / "sft"
 
 
-def run(out: Path, warm: Path, base: list[str], name: str, overrides: Sequence[str], only: str | None = None) -> Run:
+def warm_start(bench: Bench) -> None:
+    """The multitask recipe's SFT model, built once under OUT/warm."""
+    if not (bench.warm / "config.json").is_file():
+        sft_only(load_config("multitask", [*bench.first, *bench.last]), bench.out / "warm")
+
+
+def run(bench: Bench, name: str, overrides: Sequence[str], only: str | None = None) -> Run:
     """The multitask recipe from the warm start under `overrides`, with only task `only` if given (its run
     directory OUT/<name>)."""
-    config = load_config("multitask", [*base, *HELD_OUT_EVAL, *overrides, f"model.path={warm}", "sft.steps=0",
-                                       f"name=ernie-{name}"])
+    config = load_config("multitask", [*bench.first, *HELD_OUT_EVAL, *overrides, *bench.last,
+                                       f"model.path={bench.warm}", "sft.steps=0", f"name=ernie-{name}"])
     if only is not None:
         raw = config.model_dump()
         raw["tasks"] = {only: raw["tasks"][only]}
         config = RunConfig.model_validate(raw)
-    run_dir = out / name
+    run_dir = bench.out / name
     summary = run_training(config, run_dir=run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return Run(name, config, summary, [row for row in rows if "loss/policy" in row])
@@ -135,8 +148,8 @@ def displaced_fraction(run_dir: Path, batch_groups: int) -> float:
     return off / max(len(trained), 1)
 
 
-def schedulers_claim(out: Path, warm: Path, base: list[str], steps: int) -> tuple[list[Run], str]:
-    runs = [run(out, warm, base, f"scheduler-{kind}", [f"scheduler.kind={kind}", f"trainer.steps={steps}",
+def schedulers_claim(bench: Bench, steps: int) -> tuple[list[Run], str]:
+    runs = [run(bench, f"scheduler-{kind}", [f"scheduler.kind={kind}", f"trainer.steps={steps}",
                                                         f"trainer.checkpoint_every={steps}"])
             for kind in ("sync", "april", "urb")]
     names = [name for name, _ in runs[0].config.task_list()]
@@ -152,7 +165,7 @@ def schedulers_claim(out: Path, warm: Path, base: list[str], steps: int) -> tupl
         lines.append(f"| `{r.config.scheduler.kind}` | {len(timed) / sum(timed):.2f} | "
                      + " | ".join(f"{100 * early[n]:.0f}% / {100 * whole[n]:.0f}%" for n in names)
                      + f" | {tv[0]:.3f} / {tv[1]:.3f} | "
-                     f"{100 * displaced_fraction(out / r.name, r.config.scheduler.batch_groups):.1f}% |")
+                     f"{100 * displaced_fraction(bench.out / r.name, r.config.scheduler.batch_groups):.1f}% |")
     return runs, "\n".join(lines)
 
 
@@ -164,10 +177,10 @@ def modality_held_out(r: Run) -> dict[str, tuple[float, float]]:
     return {m: (statistics.fmean(b for b, _ in s), statistics.fmean(a for _, a in s)) for m, s in by_modality.items()}
 
 
-def icepop_claim(out: Path, warm: Path, base: list[str], steps: int) -> tuple[list[Run], str]:
+def icepop_claim(bench: Bench, steps: int) -> tuple[list[Run], str]:
     common = [*GROUPED, f"trainer.steps={steps}", f"trainer.checkpoint_every={steps}"]
-    runs = [run(out, warm, base, "gspo-seq-icepop", [*common, "algo.loss=gspo", "algo.options={mismatch: seq_icepop}"]),
-            misc_run(out, warm, base, steps)]
+    runs = [run(bench, "gspo-seq-icepop", [*common, "algo.loss=gspo", "algo.options={mismatch: seq_icepop}"]),
+            misc_run(bench, steps)]
     lines = ["| loss | modality | entropy first 5 steps | last 5 | masked token fraction (mean / max) | held-out before "
              "| after |", "|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -181,15 +194,15 @@ def icepop_claim(out: Path, warm: Path, base: list[str], steps: int) -> tuple[li
     return runs, "\n".join(lines)
 
 
-def misc_run(out: Path, warm: Path, base: list[str], steps: int, *extra: str) -> Run:
+def misc_run(bench: Bench, steps: int, *extra: str) -> Run:
     name = "misc-wpsm" if extra else "misc"
-    return run(out, warm, base, name, [*GROUPED, *MISC, f"trainer.steps={steps}", f"trainer.checkpoint_every={steps}",
+    return run(bench, name, [*GROUPED, *MISC, f"trainer.steps={steps}", f"trainer.checkpoint_every={steps}",
                                        *extra])
 
 
-def wpsm_claim(out: Path, warm: Path, base: list[str], steps: int, without: Run) -> tuple[list[Run], str]:
+def wpsm_claim(bench: Bench, steps: int, without: Run) -> tuple[list[Run], str]:
     """MISC + WPSM against `without`: the icepop claim's MISC run (the same config without WPSM) when it ran."""
-    runs = [without, misc_run(out, warm, base, steps, *WPSM)]
+    runs = [without, misc_run(bench, steps, *WPSM)]
     lines = ["| run | task | entropy first 5 steps | last 5 | WPSM-flagged rows | held-out before | after |",
              "|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -215,19 +228,19 @@ def hard_accuracy(config: RunConfig, model: Path, hard: Data, seed: int) -> floa
     return 100 * sum(report.correct.values()) / (HARD_SAMPLES * max(len(hard.eval), 1))
 
 
-def ahrl_claim(out: Path, warm: Path, base: list[str], steps: int, quick: bool) -> tuple[list[Run], str]:
+def ahrl_claim(bench: Bench, steps: int, quick: bool) -> tuple[list[Run], str]:
     every = max(1, steps // 4)
     # AHRL first measures the warm start's pass@4 on every training prompt: 2,000 of them, not 20,000
     sums = [f"tasks.sums.data.arithmetic.num_train={100 if quick else 2000}", f"trainer.steps={steps}",
             f"trainer.checkpoint_every={every}", "trainer.keep_checkpoints=100"]  # every one is scored
     hints = ["algo.hints={p_initial: 0.5, gamma: 0.05, k: 4, samples: 4, pass_threshold: 0.25, pass_floor: 0.1}"]
-    runs = [run(out, warm, base, "ahrl-off", sums, only="sums"),
-            run(out, warm, base, "ahrl-on", [*sums, *hints], only="sums")]
+    runs = [run(bench, "ahrl-off", sums, only="sums"),
+            run(bench, "ahrl-on", [*sums, *hints], only="sums")]
     config = runs[0].config
-    hard = hard_set(config, warm, seed=101)
-    start = hard_accuracy(config, warm, hard, seed=202)
+    hard = hard_set(config, bench.warm, seed=101)
+    start = hard_accuracy(config, bench.warm, hard, seed=202)
     for r in runs:
-        checkpoints = sorted((out / r.name / "checkpoints").glob("step_*"))
+        checkpoints = sorted((bench.out / r.name / "checkpoints").glob("step_*"))
         r.curve = [(0, start)] + [(int(c.name.split("_")[1]), hard_accuracy(config, c / "model", hard, seed=202))
                                   for c in checkpoints]
     steps_seen = [s for s, _ in runs[0].curve]
@@ -249,12 +262,16 @@ def plot(results: dict[str, list[Run]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.8), squeeze=False)
-    for axis, (claim, runs) in zip(axes[0], results.items()):
+    columns = min(2, len(results))
+    rows = -(-len(results) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.8 * rows), squeeze=False)
+    for axis in axes.flat[len(results):]:
+        axis.set_visible(False)
+    for axis, (claim, runs) in zip(axes.flat, results.items()):
         if claim == "schedulers":
             for r in runs:
                 axis.plot([row["step"] for row in r.rows], r.series("task/tool/rows"), label=r.config.scheduler.kind)
-            axis.set(title="tool-agent rows per trained batch", xlabel="step")
+            axis.set(title="tool-agent rows per trained batch (sync and urb: the data order's)", xlabel="step")
         elif claim == "ahrl":
             for r in runs:
                 axis.plot(*zip(*r.curve), marker="o", label=r.name)
@@ -287,20 +304,21 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown claim(s) {', '.join(sorted(unknown))}: choose from {', '.join(CLAIMS)}")
     machine = Machine.measure()
     print(machine.describe())
-    base = [*(QUICK if args.quick else []), *args.overrides, "log.progress=false", "log.tensorboard=false"]
+    bench = Bench(args.out, [*(QUICK if args.quick else []), "log.progress=false", "log.tensorboard=false"],
+                  list(args.overrides))
     steps = 4 if args.quick else args.steps
-    warm = warm_start(base, args.out)
+    warm_start(bench)
     results: dict[str, list[Run]] = {}
     tables: dict[str, str] = {}
     if "schedulers" in claims:
-        results["schedulers"], tables["schedulers"] = schedulers_claim(args.out, warm, base, 4 if args.quick else 40)
+        results["schedulers"], tables["schedulers"] = schedulers_claim(bench, 4 if args.quick else 40)
     if "icepop" in claims:
-        results["icepop"], tables["icepop"] = icepop_claim(args.out, warm, base, steps)
+        results["icepop"], tables["icepop"] = icepop_claim(bench, steps)
     if "wpsm" in claims:
-        without = results["icepop"][1] if "icepop" in results else misc_run(args.out, warm, base, steps)
-        results["wpsm"], tables["wpsm"] = wpsm_claim(args.out, warm, base, steps, without)
+        without = results["icepop"][1] if "icepop" in results else misc_run(bench, steps)
+        results["wpsm"], tables["wpsm"] = wpsm_claim(bench, steps, without)
     if "ahrl" in claims:
-        results["ahrl"], tables["ahrl"] = ahrl_claim(args.out, warm, base, steps, args.quick)
+        results["ahrl"], tables["ahrl"] = ahrl_claim(bench, steps, args.quick)
     for claim, text in tables.items():
         print(f"\n## {claim}\n\n{text}")
     plot(results, args.out / "ernie.png")

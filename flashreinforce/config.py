@@ -876,6 +876,18 @@ class RunConfig(_Section):
                              "algo.dynamic_sampling=false")
         return self
 
+    @model_validator(mode="after")
+    def _wpsm_can_flag(self) -> RunConfig:
+        """WPSM with positive_only flags positive rows of groups whose accuracy passes tau. Under a group baseline an
+        all-correct group's advantages are 0, so some group of G with accuracy in (tau, 1) must exist."""
+        wpsm, size = self.algo.wpsm, self.scheduler.group_size
+        if (wpsm is not None and wpsm.positive_only and self.algo.loss not in SINGLE_ROLLOUT_LOSSES
+                and (size - 1) / size <= wpsm.tau):
+            raise ValueError(f"algo.wpsm can never flag a row: with algo.loss={self.algo.loss} a group of "
+                             f"scheduler.group_size={size} whose accuracy passes tau={wpsm.tau} is all correct, "
+                             f"and its advantages are 0; raise group_size above {1 / (1 - wpsm.tau):g} or lower tau")
+        return self
+
 
 def resolve_recipe(recipe: str | None) -> Path:
     """A recipe name from flashreinforce/recipes, or a path to a YAML file."""

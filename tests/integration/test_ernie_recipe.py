@@ -1,6 +1,7 @@
 """The shipped `ernie` recipe end to end, cut down to a test's size: an SFT stage, then three RL stages whose tasks,
 scheduler, loss, masking and numerics are the recipe's own (urb + AHRL hints on arithmetic; MISC + WPSM on
-arithmetic and the tool agent; every task, text game and picture question included, in unified bf16), each
+arithmetic and the tool agent; every task, text game and picture question included, MISC with an image band in
+unified bf16), each
 reporting its tasks' held-out scores before and after."""
 
 import json
@@ -39,6 +40,7 @@ def test_the_ernie_recipe_is_a_four_stage_pipeline_of_the_named_techniques():
     assert {task.data.kind for _, task in everything.task_list()} == {
         "arithmetic", "tool_multiply", "instructions", "vision", "text_game"}
     assert everything.algo.loss == "misc" and "image" in everything.algo.options["modality_bands"]
+    assert everything.algo.wpsm is None and everything.algo.hints is None
     assert (everything.precision.trainer, everything.precision.rollout, everything.precision.mode) == (
         "bf16", "bf16", "unified")
 
@@ -60,7 +62,7 @@ def test_the_ernie_recipe_runs_every_stage_and_reports_each_task(tmp_path):
     trained = [r for r in rows if "loss/policy" in r]
     assert [r["stage"] for r in trained] == ["reason"] * 2 + ["agent"] * 2 + ["all"] * 2
     assert all("hints/hinted_fraction" in r for r in trained if r["stage"] == "reason")
-    assert all("wpsm/flagged_fraction" in r for r in trained if r["stage"] != "reason")
+    assert all("wpsm/flagged_fraction" in r for r in trained if r["stage"] == "agent")
     # The last stage's batches mix text and image rows, the game's episodes among them.
     last = [r for r in trained if r["stage"] == "all"]
     assert sum(r.get("modality/image/rows", 0) for r in last) > 0 and sum(r.get("task/game/rows", 0) for r in last) > 0
