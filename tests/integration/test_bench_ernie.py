@@ -46,3 +46,20 @@ def test_an_unknown_claim_is_named(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--claims", "wpsm,speed", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "unknown claim(s) speed" in done.stderr
+
+
+@pytest.mark.long  # the full run, ~16 minutes on 2 cores: out of CI's 45 (-m long runs it)
+def test_the_full_run_keeps_the_schedulers_invariants_and_measures_every_claim(tmp_path):
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--json", str(report)],
+                          check=True, timeout=3600, capture_output=True, text=True)
+    result = json.loads(report.read_text())
+    rows = {line.split("|")[1].strip(): line for line in result["tables"]["schedulers"].splitlines()[2:]}
+    # sync and urb train the data order exactly; APRIL trains what finished first, some of it off its step.
+    for kind in ("`sync`", "`urb`"):
+        assert rows[kind].rstrip(" |").endswith("0.0%") and "0.000 / 0.000" in rows[kind]
+    assert float(rows["`april`"].rstrip(" |").split("|")[-1].strip().rstrip("%")) > 0
+    runs = {run["name"]: run for runs in result["runs"].values() for run in runs}
+    assert all(run["summary"]["dropped_trajectories"] == {} for run in runs.values())
+    assert [step for step, _ in runs["ahrl-on"]["curve"]] == [0, 15, 30, 45, 60]
+    assert "## ahrl" in done.stdout and (tmp_path / "ernie.png").stat().st_size > 0
