@@ -463,14 +463,6 @@ class AlgoConfig(_Section):
     reinforce++-baseline."""
     options: dict[str, Any] = {}
     """Keyword options of the chosen objective (e.g. delta, negative_token_fraction, eps_low, mismatch)."""
-
-    @field_validator("loss")
-    @classmethod
-    def _known_loss(cls, value: str) -> str:
-        if value not in LOSS_NAMES:
-            raise ValueError(f"unknown loss {value!r}: choose one of {', '.join(LOSS_NAMES)}")
-        return value
-
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more."""
     overlong: OverlongConfig | None = None
@@ -479,6 +471,13 @@ class AlgoConfig(_Section):
     """Well-learned positive sample masking (None = off)."""
     hints: HintConfig | None = None
     """Adaptive hint-based RL (None = off)."""
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        if value not in LOSS_NAMES:
+            raise ValueError(f"unknown loss {value!r}: choose one of {', '.join(LOSS_NAMES)}")
+        return value
 
 
 class LoraConfig(_Section):

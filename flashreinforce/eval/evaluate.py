@@ -176,7 +176,7 @@ async def evaluate(
         k=k,
         temperature=params.temperature,
         top_p=params.top_p,
-        max_new_tokens=params.max_new_tokens,
+        max_new_tokens=max(task_params.get(task, params).max_new_tokens for task in tasks),  # a mixture's largest
         overall=_score(prompts, k, outcomes, greedy),
         by_source={source: _score(members, k, outcomes, greedy) for source, members in sources.items()},
         correct={p.id: outcomes.correct[p.id] for p in prompts},

@@ -6,7 +6,7 @@ import asyncio
 
 from scripted_backend import FinishedQueue
 
-from flashreinforce.controller.episodes import EpisodeBackend
+from flashreinforce.controller.episodes import EpisodeBackend, TaskRoute
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.eval.evaluate import evaluate, final_answer
 from flashreinforce.models import build_char_tokenizer
@@ -70,6 +70,20 @@ def test_without_greedy_nothing_extra_runs_and_distinct_answers_use_the_first_sa
     assert not any(rid.endswith("#greedy") for rid, _ in backend.submitted) and len(backend.submitted) == 32
     assert report.overall.greedy_accuracy is None and "eval/greedy_accuracy" not in report.metrics()
     assert 0 < report.overall.distinct_answers <= 100
+
+
+def test_a_mixture_samples_each_task_with_its_own_budget_and_reports_the_largest():
+    prompts = [Prompt(f"{task}/p{i}", f"{i}+x=", str(i), task=task) for task in ("short", "long") for i in range(2)]
+    episodes = TextEpisodes(TOKENIZER)
+    backend = CollapsedBackend({tuple(episodes.prompt_ids(p)): p.ground_truth for p in prompts})
+    budgets = {"short": SamplingParams(max_new_tokens=16), "long": SamplingParams(max_new_tokens=400)}
+    routed = EpisodeBackend(backend, episodes, tasks={"short": TaskRoute(), "long": TaskRoute()})
+    report = asyncio.run(evaluate(routed, episodes, prompts, k=2, params=budgets["short"], seed=0,
+                                  task_params=budgets))
+    used = {rid.split(":")[1].split("/")[0]: params.max_new_tokens for rid, params in backend.submitted}
+    assert used == {"short": 16, "long": 400}
+    assert report.max_new_tokens == 400 and "max 400 new tokens" in report.describe()
+    assert set(report.by_task) == {"short", "long"}
 
 
 def test_final_answer_takes_the_extracted_answer_else_the_text():
