@@ -8,6 +8,14 @@ import pytest
 from optional_extras import EXTRA_MARKERS
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the default run (-m 'not slow') must leave them out
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A `long` test is a slow one too, whether or not it says so."""
+    for item in items:
+        if item.get_closest_marker("long") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for marker, packages in EXTRA_MARKERS.items():
         missing = [p for p in packages if importlib.util.find_spec(p) is None]

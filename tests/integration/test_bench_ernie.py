@@ -48,6 +48,7 @@ def test_an_unknown_claim_is_named(tmp_path):
     assert done.returncode == 2 and "unknown claim(s) speed" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.long  # the full run, ~16 minutes on 2 cores: out of CI's 45 (-m long runs it)
 def test_the_full_run_keeps_the_schedulers_invariants_and_measures_every_claim(tmp_path):
     report = tmp_path / "report.json"
