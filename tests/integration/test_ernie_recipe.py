@@ -1,8 +1,7 @@
 """The shipped `ernie` recipe end to end, cut down to a test's size: an SFT stage, then three RL stages whose tasks,
 scheduler, loss, masking and numerics are the recipe's own (urb + AHRL hints on arithmetic; MISC + WPSM on
 arithmetic and the tool agent; every task, text game and picture question included, MISC with an image band in
-unified bf16), each
-reporting its tasks' held-out scores before and after."""
+unified bf16), each reporting its tasks' held-out scores before and after."""
 
 import json
 
@@ -10,20 +9,13 @@ import pytest
 
 from flashreinforce.config import load_config
 from flashreinforce.run import run_training
+from test_multitask_recipe import SMALL as MULTITASK_SMALL
 
 pytestmark = pytest.mark.slow  # a four-stage run, ~1-2 min
 
-SMALL = [
-    "tasks.sums.data.arithmetic.num_train=200", "tasks.sums.data.arithmetic.num_eval=8",
-    "tasks.tool.data.tool_multiply.num_train=100", "tasks.tool.data.tool_multiply.num_eval=8",
-    "tasks.tool.env.max_workers=1",
-    "tasks.follow.data.instructions.num_train=200", "tasks.follow.data.instructions.num_eval=8",
-    "tasks.most.data.vision.num_train=100", "tasks.most.data.vision.num_eval=8",
+SMALL = [  # the multitask test's sizes, the text game's, and the recipe's own evaluation and checkpoint points
+    *MULTITASK_SMALL, "eval.every=1000", "trainer.checkpoint_every=1000",
     "tasks.game.data.text_game.num_train=100", "tasks.game.data.text_game.num_eval=8", "tasks.game.env.max_workers=1",
-    "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
-    "sft.batch_size=16", "rollout.max_batch_size=24", "scheduler.batch_groups=12",
-    "trainer.microbatch_size=12", "eval.num_prompts=4", "eval.k=1",
-    "log.progress=false", "log.tensorboard=false", "verifier.min_workers=1", "verifier.max_workers=1",
 ]
 STAGE_STEPS = ["stages.0.steps=20", "stages.1.steps=2", "stages.2.steps=2", "stages.3.steps=2",
                "stages.1.tasks.sums.data.arithmetic.num_train=48", "stages.2.scheduler.batch_groups=6",
