@@ -11,8 +11,9 @@ with the overrides its claim names, so two runs of a claim differ in one thing. 
   rollouts trained at another step than their data-order step;
 - icepop: GSPO with sequence-level IcePop (`algo.loss=gspo`, `mismatch: seq_icepop`) against MISC (GSPO-token
   with a token IcePop mask, a narrower band for image tokens) on the text+image batch, the rollout in bf16 so
-  behavior and trainer log-probs differ (`precision.rollout=fp8` on the command line for a larger mismatch): policy entropy per modality over the steps, the masked token fraction
-  per modality, held-out per modality (image: `most`; text: the mean of the three text tasks);
+  behavior and trainer log-probs differ (`precision.rollout=fp8` on the command line for a larger mismatch):
+  policy entropy per modality over the steps, the masked token fraction per modality, held-out per modality
+  (image: `most`; text: the mean of the three text tasks);
 - wpsm: MISC with well-learned positive sample masking against the same MISC run without it: entropy and
   held-out of the easy task (`most`, ~67% after the warm start) and the hard one (`tool`, ~10%);
 - ahrl: arithmetic alone, AHRL hints on the training prompts the warm start rarely solves, on against off; the
@@ -150,7 +151,7 @@ def displaced_fraction(run_dir: Path, batch_groups: int) -> float:
 
 def schedulers_claim(bench: Bench, steps: int) -> tuple[list[Run], str]:
     runs = [run(bench, f"scheduler-{kind}", [f"scheduler.kind={kind}", f"trainer.steps={steps}",
-                                                        f"trainer.checkpoint_every={steps}"])
+                                             f"trainer.checkpoint_every={steps}"])
             for kind in ("sync", "april", "urb")]
     names = [name for name, _ in runs[0].config.task_list()]
     expected = data_shares(runs[0].config)
@@ -196,8 +197,7 @@ def icepop_claim(bench: Bench, steps: int) -> tuple[list[Run], str]:
 
 def misc_run(bench: Bench, steps: int, *extra: str) -> Run:
     name = "misc-wpsm" if extra else "misc"
-    return run(bench, name, [*GROUPED, *MISC, f"trainer.steps={steps}", f"trainer.checkpoint_every={steps}",
-                                       *extra])
+    return run(bench, name, [*GROUPED, *MISC, f"trainer.steps={steps}", f"trainer.checkpoint_every={steps}", *extra])
 
 
 def wpsm_claim(bench: Bench, steps: int, without: Run) -> tuple[list[Run], str]:
