@@ -32,6 +32,8 @@ def tool_output(result: SandboxResult) -> str:
     notes = []
     if result.timed_out:
         notes.append("timed out")
+    elif result.over_memory:
+        notes.append("killed: out of memory")
     elif result.killed_by:
         notes.append(f"killed by {result.killed_by}")
     elif result.exit_code:

@@ -69,6 +69,8 @@ class SandboxResult:
     """The wall clock ran out and the call was killed."""
     killed_by: str | None
     """The signal that ended the call's first process ("SIGKILL", "SIGXCPU", "SIGSEGV", ...), or None."""
+    over_memory: bool
+    """The call's processes together went over memory_mb and were killed (SIGKILL)."""
     bytes_cut: int
     """Output bytes dropped by the cap (counted until the parent stops reading, at 16 MiB)."""
     seconds: float
@@ -79,7 +81,7 @@ class SandboxResult:
     def status(self) -> dict:
         """Everything but the output: the one-line JSON after an observation."""
         return {"isolation": self.isolation, "exit_code": self.exit_code, "timed_out": self.timed_out,
-                "killed_by": self.killed_by, "bytes_cut": self.bytes_cut, "seconds": round(self.seconds, 4)}
+                "killed_by": self.killed_by, "over_memory": self.over_memory, "bytes_cut": self.bytes_cut, "seconds": round(self.seconds, 4)}
 
 
 PYTHON_TOOL_LIMITS = SandboxLimits()

@@ -111,7 +111,7 @@ class _Worker:
         status = _status(got.reply) if got.ended == "answered" else None
         if status is None:
             self.kill()  # dead, late, or talking nonsense: nothing it says can be trusted; start afresh
-            status = {"exit_code": None, "killed_by": "SIGKILL", "timed_out": got.ended == "late"}
+            status = {"exit_code": None, "killed_by": "SIGKILL", "timed_out": got.ended == "late", "over_memory": False}
         return SandboxResult(output=bytes(got.kept).decode("utf-8", errors="replace"), bytes_cut=got.cut,
                              seconds=time.monotonic() - start, isolation=self.level, **status)
 
@@ -226,7 +226,8 @@ def _status(reply: dict | None) -> dict | None:
         killed_by = None if number is None else signal.Signals(number).name
     except ValueError:
         killed_by = f"signal {number}"
-    return {"exit_code": exit_code, "killed_by": killed_by, "timed_out": ending == "timeout"}
+    return {"exit_code": exit_code, "killed_by": killed_by, "timed_out": ending == "timeout",
+            "over_memory": ending == "memory"}
 
 
 @functools.lru_cache(maxsize=1)

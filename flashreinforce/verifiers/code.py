@@ -279,8 +279,8 @@ def _take_frames(call, tests: CodeTests, results: list, first: int, settings: Ru
         # The harness itself failed, or the sandbox could not set the call up: not the program's doing.
         raise RuntimeError(f"code: the test harness failed in the sandbox: {' | '.join(noise[-3:])[-500:]}")
     # The call ended during this test: the program killed its harness, or the call went over its limits.
-    how = "timeout" if call.timed_out else f"killed by {call.killed_by}" if call.killed_by else \
-        f"exit code {call.exit_code}"
+    how = "timeout" if call.timed_out else "out of memory" if call.over_memory else \
+        f"killed by {call.killed_by}" if call.killed_by else f"exit code {call.exit_code}"
     results[unfinished] = TestResult(False, f"the call ended ({how})")
     return unfinished + 1
 

@@ -47,6 +47,7 @@ REPORT_FD = 3  # the child's report pipe: one JSON object per line
 LINE_BYTES = 1 << 16  # the longest report line kept; a child that writes longer ones is not heard
 DETAIL_CHARS = 300
 FRAME_OVERHEAD = 1024  # a frame's JSON around its output, with room to spare
+HARNESS_GROWTH_BYTES = 32 << 20  # what the harness may add to its resident memory while a child runs
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -113,11 +114,30 @@ def _enter_child(fds: dict, cpu_s: int) -> None:
     soft = cpu_s if hard == resource.RLIM_INFINITY else min(cpu_s, hard)
     hard = soft + 1 if hard == resource.RLIM_INFINITY else min(soft + 1, hard)
     resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))  # SIGXCPU at soft, SIGKILL a second later
+    _leave_the_harness_room()
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the program's stdin for its whole life
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - block-buffered into a pipe, as a script's is
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     sys.argv = ["solution.py"]
+
+
+def _leave_the_harness_room() -> None:
+    """Lower the child's address-space limit by the harness's resident memory (and its growth).
+
+    The sandbox ends the whole call when its processes' resident memory together passes the same figure as
+    each one's address-space limit. A child that could fill its own limit would race that guard: sometimes a
+    MemoryError the harness reports as the program's, sometimes the call killed mid-test. With this room the
+    child always meets its MemoryError first; only processes it starts can still end the call together."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/statm") as statm:  # just forked: our resident pages are the harness's too
+        size, resident = (int(field) * page for field in statm.read().split()[:2])
+    limit = soft - resident - HARNESS_GROWTH_BYTES
+    if limit > size:  # a limit this small leaves the child nothing: the sandbox's guard decides instead
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def _program(source: str) -> tuple:

@@ -101,7 +101,7 @@ def test_a_memory_bomb_fails_with_memory_error(short_sandbox):
 def test_processes_together_cannot_exceed_the_memory_limit(bwrap_sandbox):
     # Each child is under RLIMIT_AS (512 MiB); three of them hold 900 MiB between them.
     result = bwrap_sandbox.run(MEMORY_TOGETHER)
-    assert (result.killed_by, result.timed_out) == ("SIGKILL", False)
+    assert (result.killed_by, result.timed_out, result.over_memory) == ("SIGKILL", False, True)
     assert result.seconds < 3  # killed when the sum went over, not at the wall clock
 
 

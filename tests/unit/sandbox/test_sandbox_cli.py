@@ -19,6 +19,7 @@ def test_the_command_prints_the_output_then_a_json_status(tmp_path):
     *output, status = done.stdout.splitlines()
     assert output == ["hello from /scratch"]
     status = json.loads(status)
-    assert set(status) == {"isolation", "exit_code", "timed_out", "killed_by", "bytes_cut", "seconds"}
+    assert set(status) == {"isolation", "exit_code", "timed_out", "killed_by", "over_memory", "bytes_cut",
+                           "seconds"}
     assert (status["exit_code"], status["timed_out"], status["killed_by"], status["bytes_cut"]) == (3, False, None, 0)
     assert f"isolation {status['isolation']}" in done.stderr

@@ -22,10 +22,10 @@ def test_output_cap_has_a_hard_ceiling_whatever_the_config():
 
 def test_status_is_the_json_line_without_the_output():
     result = SandboxResult(output="secret-ish output\n", exit_code=None, timed_out=True, killed_by="SIGKILL",
-                           bytes_cut=7, seconds=0.123456, isolation="bwrap")
+                           over_memory=False, bytes_cut=7, seconds=0.123456, isolation="bwrap")
     status = json.loads(json.dumps(result.status()))
     assert status == {"isolation": "bwrap", "exit_code": None, "timed_out": True, "killed_by": "SIGKILL",
-                      "bytes_cut": 7, "seconds": 0.1235}
+                      "over_memory": False, "bytes_cut": 7, "seconds": 0.1235}
 
 
 def test_kernel_limits_must_be_whole_numbers():

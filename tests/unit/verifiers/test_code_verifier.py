@@ -350,6 +350,21 @@ def test_deep_recursion_is_contained(hostile):
     assert verdict.reason.startswith("failed: program: ") and seconds < 0.3 + 1.0
 
 
+def test_a_program_near_the_memory_limit_fails_with_its_own_memory_error(hostile):
+    # 490 MiB is under the per-process limit (512) but not beside the harness: the program's MemoryError, named,
+    # never the call's end by the sandbox's guard (which would fail the tests after it too).
+    verdict, _, _ = hostile("b = b'1' * (490 << 20)", ADD_TESTS)
+    assert verdict.reason == "failed: program: MemoryError"
+
+
+def test_processes_over_the_memory_limit_together_end_the_call_saying_so():
+    if shutil.which("bwrap") is None:
+        pytest.skip("bwrap is not installed (apt-get install bubblewrap)")
+    verifier = code_verifier(isolation="bwrap", test_timeout_s=5.0, time_budget_s=6.0)
+    verdict = verifier(fenced(attacks.MEMORY_TOGETHER), ADD_TESTS, PROMPT)
+    assert verdict.reason == "failed: test 1: the call ended (out of memory)"
+
+
 def test_a_dead_sandbox_worker_is_replaced(hostile):
     sandbox = code_module.shared_sandbox(code_module.sandbox_limits(3.0, 512), "bwrap", False)
     first = sandbox._worker.process.pid
