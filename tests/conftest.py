@@ -133,6 +133,7 @@ VISION_AGENT_RUN = [
     "env.max_turns=4",
     "env.max_prompt_tokens=32",
     "env.max_workers=1",
+    "data.visual_grid.size=4",
     "data.visual_grid.num_train=100",
     "data.visual_grid.num_eval=8",
     "rollout.max_new_tokens=96",
