@@ -81,7 +81,8 @@ class SandboxResult:
     def status(self) -> dict:
         """Everything but the output: the one-line JSON after an observation."""
         return {"isolation": self.isolation, "exit_code": self.exit_code, "timed_out": self.timed_out,
-                "killed_by": self.killed_by, "over_memory": self.over_memory, "bytes_cut": self.bytes_cut, "seconds": round(self.seconds, 4)}
+                "killed_by": self.killed_by, "over_memory": self.over_memory, "bytes_cut": self.bytes_cut,
+                "seconds": round(self.seconds, 4)}
 
 
 PYTHON_TOOL_LIMITS = SandboxLimits()

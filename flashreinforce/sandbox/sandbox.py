@@ -111,7 +111,8 @@ class _Worker:
         status = _status(got.reply) if got.ended == "answered" else None
         if status is None:
             self.kill()  # dead, late, or talking nonsense: nothing it says can be trusted; start afresh
-            status = {"exit_code": None, "killed_by": "SIGKILL", "timed_out": got.ended == "late", "over_memory": False}
+            status = {"exit_code": None, "killed_by": "SIGKILL", "timed_out": got.ended == "late",
+                      "over_memory": False}
         return SandboxResult(output=bytes(got.kept).decode("utf-8", errors="replace"), bytes_cut=got.cut,
                              seconds=time.monotonic() - start, isolation=self.level, **status)
 

@@ -284,7 +284,7 @@ def test_processes_together_cannot_exceed_the_memory_limit():
         pytest.skip("bwrap is not installed (apt-get install bubblewrap)")
     submit = _spying(code_verifier(isolation="bwrap", test_timeout_s=3.0, time_budget_s=4.0))
     verdict, _, seconds = submit(attacks.MEMORY_TOGETHER, ADD_TESTS)
-    assert verdict.reason == "failed: test 1: the call ended (killed by SIGKILL)"
+    assert verdict.reason == "failed: test 1: the call ended (out of memory)"
     assert seconds < 3  # killed when their sum went over, not at the deadline
 
 
@@ -355,14 +355,6 @@ def test_a_program_near_the_memory_limit_fails_with_its_own_memory_error(hostile
     # never the call's end by the sandbox's guard (which would fail the tests after it too).
     verdict, _, _ = hostile("b = b'1' * (490 << 20)", ADD_TESTS)
     assert verdict.reason == "failed: program: MemoryError"
-
-
-def test_processes_over_the_memory_limit_together_end_the_call_saying_so():
-    if shutil.which("bwrap") is None:
-        pytest.skip("bwrap is not installed (apt-get install bubblewrap)")
-    verifier = code_verifier(isolation="bwrap", test_timeout_s=5.0, time_budget_s=6.0)
-    verdict = verifier(fenced(attacks.MEMORY_TOGETHER), ADD_TESTS, PROMPT)
-    assert verdict.reason == "failed: test 1: the call ended (out of memory)"
 
 
 def test_a_dead_sandbox_worker_is_replaced(hostile):
