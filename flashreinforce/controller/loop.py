@@ -91,6 +91,8 @@ class RLLoop:
         self.inflight: dict[str, RolloutTask] = {}
         self._step_started = time.perf_counter()
         self._tokens_at_step_start = backend.stats().get("engine/sampled_tokens", 0.0)
+        self._engine_seconds_at_step_start = backend.stats().get("engine/step_seconds", 0.0)
+        self._verify_seconds = 0.0  # waiting for verdicts since the last push (a step's time split)
 
     # ---- the loop -------------------------------------------------------------------------------------
 
@@ -160,7 +162,9 @@ class RLLoop:
         if not generations:
             return
         tasks = [self.inflight.pop(g.request_id) for g in generations]
+        started = time.perf_counter()
         verdicts = await self.backend.judge(generations)
+        self._verify_seconds += time.perf_counter() - started
         for task, generation, verdict in zip(tasks, generations, verdicts):
             self.scheduler.on_finished(to_trajectory(task.key, task.prompt, task.group, generation, verdict,
                                                      hint_length=len(self._hint_ids(task))))
@@ -182,7 +186,9 @@ class RLLoop:
         if paused:
             partials, finished = await self.backend.pause()
             await self._deliver(finished)
+        push_started = time.perf_counter()
         pushed = await self.backend.push_weights()
+        push_seconds = time.perf_counter() - push_started
         assert pushed == self.version, f"engine got version {pushed}, loop is at {self.version}"
         cancel = set(self.scheduler.on_version(self.version))
         if paused:
@@ -204,12 +210,18 @@ class RLLoop:
         # Rollout throughput between two weight pushes; evaluation time is kept out of it.
         tokens = metrics.get("engine/sampled_tokens", 0.0)
         metrics["time/step_seconds"] = now - self._step_started
+        metrics["time/generation_seconds"] = metrics.get("engine/step_seconds", 0.0) - self._engine_seconds_at_step_start
+        metrics["time/push_seconds"] = push_seconds
+        metrics["time/verify_seconds"] = self._verify_seconds
         metrics["throughput/tokens_per_second"] = (tokens - self._tokens_at_step_start) / max(now - self._step_started, 1e-9)
         if evaluate:
             metrics.update(await self.evaluate(self.version))
             metrics["time/eval_seconds"] = time.perf_counter() - now
         self._step_started = time.perf_counter()
-        self._tokens_at_step_start = self.backend.stats().get("engine/sampled_tokens", 0.0)
+        engine = self.backend.stats()
+        self._tokens_at_step_start = engine.get("engine/sampled_tokens", 0.0)
+        self._engine_seconds_at_step_start = engine.get("engine/step_seconds", 0.0)
+        self._verify_seconds = 0.0
         self.on_step(self.version, metrics, batch)
         if checkpoint:
             self.on_checkpoint(self.version, self.state_dict(keep))

@@ -7,6 +7,7 @@ nothing about losses or sampling.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,12 +26,17 @@ def token_logprobs(
     temperature: float | torch.Tensor = 1.0,
     with_entropy: bool = True,
     images: Sequence[Sequence[bytes]] = (),
+    from_token: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each token given the tokens before it, aligned with the tokens.
 
         logprobs[b, t]  = log softmax(z[b, t-1] / temperature)[input_ids[b, t]]     for t >= 1
         entropies[b, t] = -sum_v p(v) log p(v),  p = softmax(z[b, t-1] / temperature)
         both are 0 at t = 0, and wherever token t or token t-1 is padding
+
+    `from_token`: the first token whose log-prob is wanted; earlier ones get 0 and their logits are never
+    computed (the model's `logits_to_keep`). A batch's prompts come first and need none: on SmolLM2's 49k
+    vocabulary the LM head and the fp32 softmax over it were most of a training step's non-matmul time.
 
     `temperature` is one for every row, or (B,) one per row (a mixture of tasks sampled at different ones).
     `images`: each row's encoded images, for a model that reads them (models/vision.py); its image tokens are
@@ -61,31 +67,36 @@ def token_logprobs(
     if image_kwargs and hasattr(model, "rope_positions"):  # M-RoPE (Qwen2-VL): (3, B, T), computed as the engine does
         rope = model.rope_positions(input_ids, attention_mask, images)
         position_ids = position_ids if rope is None else rope
+    first = min(max(from_token, 1), input_ids.shape[1])
+    keep = input_ids.shape[1] - first + 1  # the last `keep` positions' logits predict tokens first..T-1
+    trimmed = first > 1 and _takes_logits_to_keep(model)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **image_kwargs
-    ).logits[:, :-1]  # (B, T-1, V): logits[:, t] predicts input_ids[:, t+1]
-    targets = input_ids[:, 1:]  # (B, T-1)
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+        **({"logits_to_keep": keep} if trimmed else {}), **image_kwargs,
+    ).logits
+    logits = logits[:, (0 if trimmed else first - 1) : -1]  # (B, T-first, V): logits[:, t] predicts input_ids[:, first + t]
+    targets = input_ids[:, first:]  # (B, T-first)
     banned = list(getattr(model, "banned_token_ids", ()))
     if banned:
         logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
 
-    B, T1, V = logits.shape
+    B, T1, V = logits.shape  # T1 = T - first
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16/fp16 -> fp32; fp64 stays fp64
     rows = max(1, _CHUNK_ELEMENTS // max(1, T1 * V))
     lp_chunks, ent_chunks = [], []
     for start in range(0, B, rows):
         scale = temperature[start : start + rows, None, None].to(logits.device, dtype) if per_row else temperature
-        z = logits[start : start + rows].to(dtype) / scale  # (b, T-1, V)
-        lse = torch.logsumexp(z, dim=-1)  # (b, T-1)
+        z = logits[start : start + rows].to(dtype) / scale  # (b, T-first, V)
+        lse = torch.logsumexp(z, dim=-1)  # (b, T-first)
         lp_chunks.append(z.gather(-1, targets[start : start + rows, :, None]).squeeze(-1) - lse)
         if with_entropy:
             with torch.no_grad():
-                p = (z - lse[..., None]).exp()  # (b, T-1, V)
+                p = (z - lse[..., None]).exp()  # (b, T-first, V)
                 ent_chunks.append(-torch.xlogy(p, p).sum(-1))  # xlogy: 0 log 0 = 0
-    logprobs = torch.nn.functional.pad(torch.cat(lp_chunks), (1, 0))  # (B, T)
+    logprobs = torch.nn.functional.pad(torch.cat(lp_chunks), (first, 0))  # (B, T)
     if banned:  # banned targets are image tokens of the prompt: -inf under the banned distribution, never trained
         logprobs = logprobs.masked_fill(torch.isin(input_ids, torch.tensor(banned, device=input_ids.device)), 0.0)
-    entropies = torch.nn.functional.pad(torch.cat(ent_chunks), (1, 0)) if with_entropy else None
+    entropies = torch.nn.functional.pad(torch.cat(ent_chunks), (first, 0)) if with_entropy else None
     if attention_mask is not None:
         # A token has a log-prob only if a real token precedes it (this also drops left padding).
         real = attention_mask.bool()  # (B, T)
@@ -93,6 +104,18 @@ def token_logprobs(
         logprobs = logprobs.masked_fill(~keep, 0.0)
         entropies = entropies.masked_fill(~keep, 0.0) if entropies is not None else None
     return logprobs, entropies
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    parameters = inspect.signature(model.forward).parameters.values()
+    return any(p.name == "logits_to_keep" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def first_marked(mask: torch.Tensor) -> int:
+    """The first column of a (B, T) mask that any row marks (T when none does): `from_token` for the tokens a
+    loss trains."""
+    marked = mask.bool().any(0)  # (T,)
+    return int(marked.int().argmax()) if bool(marked.any()) else mask.shape[1]
 
 
 def image_arguments(model: Any, images: Sequence[Sequence[bytes]]) -> dict[str, torch.Tensor]:

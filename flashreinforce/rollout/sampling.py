@@ -89,11 +89,32 @@ def _truncate(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, truncat
     return torch.empty_like(z).scatter_(1, order, sorted_z)
 
 
+CDF_BLOCK = 256
+"""Tokens per block of the two-level inverse CDF in `sample`."""
+
+
 def sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: token = first v with cdf[v] > u * cdf[V-1]. (B, V), (B,) -> (B,) int64.
 
-    Zero-probability tokens have an empty CDF interval, so they are never drawn.
+    Zero-probability tokens have an empty CDF interval, so they are never drawn. The CDF is summed in fp64 (it
+    keeps the tail intervals honest), in two levels so that only CDF_BLOCK tokens a row go through fp64 one by
+    one: the blocks' masses locate the block holding u's token, a cumulative sum inside that block the token. A
+    cumulative sum over the whole vocabulary in fp64 was a fifth of a decoding step on a 49k vocabulary.
     """
-    cdf = logprobs.double().exp().cumsum(-1)  # (B, V); fp64 keeps the tail intervals honest
-    target = (uniforms * cdf[:, -1])[:, None]  # (B, 1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logprobs.shape[-1] - 1)
+    B, V = logprobs.shape
+    probs = logprobs.float().exp()  # (B, V); exp(-inf) = 0
+    blocks = -(-V // CDF_BLOCK)
+    probs = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - V)).view(B, blocks, CDF_BLOCK)
+    block_cdf = probs.sum(-1, dtype=torch.float64).cumsum(-1)  # (B, blocks)
+    target = (uniforms * block_cdf[:, -1])[:, None]  # (B, 1)
+    # The first block whose CDF passes the target: it has positive mass, and the CDF before it is <= target.
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=blocks - 1)  # (B, 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # (B, 1)
+    inside = probs.gather(1, block[:, :, None].expand(B, 1, CDF_BLOCK)).squeeze(1)  # (B, CDF_BLOCK)
+    cdf = before + inside.double().cumsum(-1)  # (B, CDF_BLOCK)
+    offset = torch.searchsorted(cdf, target, right=True)  # (B, 1)
+    # Summed in another order, the block's own CDF can end a rounding error short of the target: then the token
+    # is the block's last possible one (never a zero-probability token after it).
+    last_possible = CDF_BLOCK - 1 - (inside > 0).flip(-1).int().argmax(-1, keepdim=True)  # (B, 1)
+    offset = torch.minimum(offset, last_possible)
+    return (block * CDF_BLOCK + offset).squeeze(1).clamp_(max=V - 1)

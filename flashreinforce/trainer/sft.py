@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashreinforce.models.logprobs import token_logprobs
+from flashreinforce.models.logprobs import first_marked, token_logprobs
 from flashreinforce.trainer.precision import MasterWeights
 
 
@@ -99,7 +99,7 @@ def _target_logprob_sum(model: torch.nn.Module, examples: Sequence, pad_token_id
         attention_mask[row, :n] = True
         target_mask[row, len(prompt):n] = torch.tensor(_completion_mask(example), dtype=torch.bool)
     logprobs, _ = token_logprobs(model, input_ids, attention_mask, with_entropy=False,
-                                 images=images if any(images) else ())
+                                 images=images if any(images) else (), from_token=first_marked(target_mask))
     return (logprobs * target_mask).sum()
 
 

@@ -1,3 +1,4 @@
+import functools
 import math
 from types import SimpleNamespace
 
@@ -5,6 +6,7 @@ import pytest
 import torch
 
 from flashreinforce.models import build_model, token_logprobs
+from flashreinforce.models.logprobs import first_marked
 
 
 class BigramLM(torch.nn.Module):
@@ -99,3 +101,36 @@ def test_a_temperature_per_row_scores_each_row_at_its_own():
 def test_a_bad_temperature_per_row_is_refused(temperature, message):
     with pytest.raises(ValueError, match=message):
         token_logprobs(bigram(), torch.zeros(3, 4, dtype=torch.long), temperature=temperature)
+
+
+@pytest.mark.parametrize("trimmed", [True, False], ids=["logits_to_keep", "model-without-logits_to_keep"])
+def test_from_token_skips_the_logits_before_it_and_changes_nothing_after(trimmed):
+    torch.manual_seed(0)
+    model = build_model(50, 32, 2, 4, 64, seed=0) if trimmed else bigram()
+    vocab = 50 if trimmed else 3
+    input_ids = torch.randint(0, vocab, (3, 12))
+    attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    attention_mask[2, 9:] = False  # right padding
+    full, full_entropy = token_logprobs(model, input_ids, attention_mask)
+    kept_logits = []
+    forward = model.forward
+
+    @functools.wraps(forward)  # keeps the signature token_logprobs reads
+    def recording(*args, **kwargs):
+        kept_logits.append(forward(*args, **kwargs).logits)
+        return SimpleNamespace(logits=kept_logits[-1])
+
+    model.forward = recording
+    part, part_entropy = token_logprobs(model, input_ids, attention_mask, from_token=5)
+    assert kept_logits[0].shape[1] == (8 if trimmed else 12)  # positions 4..11 predict tokens 5..11
+    torch.testing.assert_close(part[:, 5:], full[:, 5:], rtol=0, atol=1e-6)
+    torch.testing.assert_close(part_entropy[:, 5:], full_entropy[:, 5:], rtol=0, atol=1e-6)
+    assert (part[:, :5] == 0).all() and (part_entropy[:, :5] == 0).all()
+    part.sum().backward()  # gradients still flow
+
+
+def test_first_marked_is_the_first_column_any_row_marks():
+    mask = torch.zeros(3, 6, dtype=torch.bool)
+    assert first_marked(mask) == 6
+    mask[1, 4] = mask[2, 2] = True
+    assert first_marked(mask) == 2

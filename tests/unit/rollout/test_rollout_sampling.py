@@ -2,7 +2,14 @@ import math
 
 import torch
 
-from flashreinforce.rollout.sampling import counter_uniforms, mix32, processed_logprobs, sample, stream_key
+from flashreinforce.rollout.sampling import (
+    CDF_BLOCK,
+    counter_uniforms,
+    mix32,
+    processed_logprobs,
+    sample,
+    stream_key,
+)
 
 M32 = 0xFFFFFFFF
 NEG = float("-inf")
@@ -87,3 +94,32 @@ def test_extreme_uniforms_land_on_possible_tokens():
     logprobs = torch.log(torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])).expand(2, 5)
     u = torch.tensor([0.0, (2**32 - 1) / 2**32], dtype=torch.float64)
     assert sample(logprobs, u).tolist() == [1, 3]
+
+
+def full_cdf_sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Reference: one fp64 cumulative sum over the whole vocabulary."""
+    cdf = logprobs.double().exp().cumsum(-1)
+    return torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+
+
+def test_the_blocked_cdf_draws_what_one_cdf_over_the_vocabulary_draws():
+    torch.manual_seed(1)
+    V = 3 * CDF_BLOCK + 77  # the last block is padded
+    logits = torch.randn(512, V) * 4
+    top_k = torch.randint(0, 40, (512,))
+    top_p = torch.where(torch.rand(512) < 0.5, 1.0, 0.9)
+    logprobs = processed_logprobs(logits, torch.full((512,), 0.7), top_k, top_p)
+    u = counter_uniforms(torch.full((512,), stream_key(5)), torch.arange(512))
+    drawn = sample(logprobs, u)
+    assert torch.equal(drawn, full_cdf_sample(logprobs, u))
+    assert torch.isfinite(logprobs.gather(1, drawn[:, None])).all()
+
+
+def test_a_target_past_the_blocks_own_sum_takes_its_last_possible_token():
+    # Only tokens in the first block are possible; u just below 1 puts the target at the very end of its CDF,
+    # where the two summation orders may disagree by a rounding error: never a token after the last possible.
+    probs = torch.zeros(1, 2 * CDF_BLOCK)
+    probs[0, : CDF_BLOCK - 3] = torch.rand(CDF_BLOCK - 3) + 0.1
+    logprobs = (probs / probs.sum()).log()
+    u = torch.tensor([(2**32 - 1) / 2**32], dtype=torch.float64)
+    assert sample(logprobs, u).item() == CDF_BLOCK - 4

