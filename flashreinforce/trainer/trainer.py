@@ -8,7 +8,6 @@ policy at the start of the step: the first (and only) forward gives it, detached
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashreinforce.algorithms import LOSSES, GlobalNorm, LossInputs
 from flashreinforce.algorithms.advantages import single_row_tasks
@@ -45,9 +43,6 @@ from flashreinforce.trainer.sharding import (
 )
 from flashreinforce.types import Trajectory
 
-
-MATH_ATTENTION_MAX_LENGTH = 128
-"""Longest microbatch (tokens) that a bf16 CPU trainer runs through attention's math kernel (_attention_backend)."""
 
 @dataclass(frozen=True)
 class OverlongShaping:
@@ -280,15 +275,6 @@ class Trainer:
                                      temperature=self._temperature(micro), with_entropy=False, images=micro.images)
         (logprobs.sum() * 0.0).backward()
 
-    def _attention_backend(self, length: int) -> contextlib.AbstractContextManager:
-        """On a CPU in bf16, attention's math kernel for rows up to MATH_ATTENTION_MAX_LENGTH tokens, torch's own
-        choice elsewhere. A bf16 SmolLM2 step of 32 rows (2 cores): 77 tokens 4.3 s math vs 4.9 s default (torch's
-        flash kernel for CPU is slow in bf16 on short rows), 200 tokens 19.3 s vs 15.9 s (math holds T x T
-        scores)."""
-        if self.device.type == "cpu" and self.compute_dtype == torch.bfloat16 and length <= MATH_ATTENTION_MAX_LENGTH:
-            return sdpa_kernel(SDPBackend.MATH)
-        return contextlib.nullcontext()
-
     def _temperature(self, micro: TrainBatch) -> float | torch.Tensor:
         """The temperature each row was sampled at: one for all, or per row in a mixture of several."""
         return self.temperature if micro.temperatures is None else micro.temperatures
@@ -297,10 +283,9 @@ class Trainer:
         """Per-token log-probs and entropies; an MoE rollout's routes are replayed (R3) or, with replay off,
         compared with the trainer's own choice (mismatch/route_disagreement either way)."""
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
-            with self._attention_backend(micro.input_ids.shape[1]):
-                return token_logprobs(self.model, micro.input_ids, micro.attention_mask,
-                                      temperature=self._temperature(micro), with_entropy=True, images=micro.images,
-                                      from_token=first_marked(micro.loss_mask))
+            return token_logprobs(self.model, micro.input_ids, micro.attention_mask,
+                                  temperature=self._temperature(micro), with_entropy=True, images=micro.images,
+                                  from_token=first_marked(micro.loss_mask))
         if micro.routes is None:
             return forward()
         if self.router_replay:
