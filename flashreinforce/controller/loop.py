@@ -89,10 +89,15 @@ class RLLoop:
         self.hints = hints
         self.version = version
         self.inflight: dict[str, RolloutTask] = {}
+        self._start_step_clock()
+
+    def _start_step_clock(self) -> None:
+        """A step's time split and throughput count from here: now, the engine's counters, no verdict waits yet."""
         self._step_started = time.perf_counter()
-        self._tokens_at_step_start = backend.stats().get("engine/sampled_tokens", 0.0)
-        self._engine_seconds_at_step_start = backend.stats().get("engine/step_seconds", 0.0)
-        self._verify_seconds = 0.0  # waiting for verdicts since the last push (a step's time split)
+        engine = self.backend.stats()
+        self._tokens_at_step_start = engine.get("engine/sampled_tokens", 0.0)
+        self._engine_seconds_at_step_start = engine.get("engine/step_seconds", 0.0)
+        self._verify_seconds = 0.0  # waiting for verdicts since the last push
 
     # ---- the loop -------------------------------------------------------------------------------------
 
@@ -217,11 +222,7 @@ class RLLoop:
         if evaluate:
             metrics.update(await self.evaluate(self.version))
             metrics["time/eval_seconds"] = time.perf_counter() - now
-        self._step_started = time.perf_counter()
-        engine = self.backend.stats()
-        self._tokens_at_step_start = engine.get("engine/sampled_tokens", 0.0)
-        self._engine_seconds_at_step_start = engine.get("engine/step_seconds", 0.0)
-        self._verify_seconds = 0.0
+        self._start_step_clock()
         self.on_step(self.version, metrics, batch)
         if checkpoint:
             self.on_checkpoint(self.version, self.state_dict(keep))
