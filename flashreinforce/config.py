@@ -25,6 +25,9 @@ LOSS_NAMES = ("flashreinforce", "grpo", "drgrpo", "dapo", "gspo", "gspo_token", 
 SINGLE_ROLLOUT_LOSSES = frozenset({"flashreinforce", "reinforce++"})
 """Losses whose baseline is not a per-prompt group, so group_size=1 is meaningful."""
 DEFAULT_RECIPE = "arithmetic"
+UNDEMONSTRATED_KINDS = ("files", "reasoning_gym", "gsm8k")
+"""Data kinds with no built-in demonstrations (run/tasks.py's TASKS has the others): no SFT warm start, and no
+tiny model, whose tokenizer is made of a built-in task's characters."""
 RESERVED_TASK_NAMES = frozenset({"all", "total", "mean", "worst"})
 """Words the per-task metrics and summaries use beside task names."""
 
@@ -156,6 +159,10 @@ class ToolMultiplyConfig(_Section):
     """Most digits of a and of b (each has at least 2)."""
     seed: int = 1234
     """Seed of the generated problems."""
+    chat: bool = False
+    """Each prompt as one user chat message that asks for the product and says how to call the tool, rendered by
+    a chat model's template (model.path; env.role=tool renders the tool's output as a tool message); else
+    `a*b=`, the tiny model's cue."""
 
 
 class InstructionsConfig(_Section):
@@ -703,7 +710,8 @@ class StageConfig(_Section):
     """Optimizer steps of the stage: RL steps, or SFT steps for kind sft."""
     kind: Literal["rl", "sft"] = "rl"
     """rl: the run's RL loop under the stage's config; sft: the warm start's SFT on the stage's tasks'
-    demonstrations (built-in tasks, the tiny model), on the weights the previous stage left."""
+    demonstrations (built-in tasks: of the tiny model, or of model.path's, chat templates included), on the
+    weights the previous stage left."""
     optimizer: Literal["keep", "reset"] = "keep"
     """keep: AdamW's moments carry over from the previous RL stage (its learning rate and schedule do not: each
     stage has its own); reset: a fresh AdamW. After an sft stage, or in the first stage, there are none to keep."""
@@ -794,11 +802,16 @@ class RunConfig(_Section):
             if not re.match(TASK_NAME, name) or name in names[:index]:
                 raise ValueError(f"stages[{index}].name={name!r}: a stage name is unique, a letter, then letters, "
                                  "digits, _ or - (it names the stage's directory)")
-            if self.stages[index].kind == "sft" and self.model.path is not None:
-                raise ValueError(f"stages[{index}] ({name}): kind sft trains the built-in tasks' demonstrations on the "
-                                 "tiny model; with model.path set, make it an rl stage")
         for index in range(len(self.stages)):
-            self.stage(index)
+            stage = self.stage(index)
+            if self.stages[index].kind != "sft":
+                continue
+            for task_name, task in stage.task_list():
+                if task.data.kind in UNDEMONSTRATED_KINDS:
+                    where = f"tasks.{task_name}." if task_name else ""
+                    raise ValueError(f"stages[{index}] ({names[index]}): kind sft trains the built-in tasks' "
+                                     f"demonstrations, and {where}data.kind={task.data.kind} has none: make it an rl "
+                                     "stage, or fine-tune on your data elsewhere and start from it (model.path)")
         return self
 
     def stage(self, index: int) -> RunConfig:
@@ -849,13 +862,14 @@ class RunConfig(_Section):
     def _consistent(self) -> RunConfig:
         for name, task in self.task_list():
             where = f"tasks.{name}." if name else ""
-            if self.model.path is None and task.data.kind in ("files", "reasoning_gym", "gsm8k"):
+            if self.model.path is None and task.data.kind in UNDEMONSTRATED_KINDS:
                 raise ValueError(f"model.path is required with {where}data.kind={task.data.kind} (the built-in tiny "
                                  "model only knows the built-in tasks' tokenizers), e.g. model.path=smollm2-135m-instruct "
                                  "after `flashreinforce models get smollm2-135m-instruct`")
-            if self.model.path is None and task.data.kind == "instructions" and task.data.instructions.chat:
-                raise ValueError(f"{where}data.instructions.chat=true renders prompts with a chat model's template: "
-                                 "set model.path to a chat model, or chat=false for the built-in tiny model")
+            for kind in ("instructions", "tool_multiply"):
+                if self.model.path is None and task.data.kind == kind and getattr(task.data, kind).chat:
+                    raise ValueError(f"{where}data.{kind}.chat=true renders prompts with a chat model's template: "
+                                     "set model.path to a chat model, or chat=false for the built-in tiny model")
             task_env = {"tool_multiply": "python_tool", "text_game": "text_game",
                         "visual_grid": "visual_grid"}.get(task.data.kind)
             if task_env is not None and task.env.kind != task_env:

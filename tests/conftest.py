@@ -214,7 +214,7 @@ def save_chat_model(chat_tokenizer, tmp_path):
 
     def save(hidden_size: int, num_layers: int):
         directory = tmp_path / f"chat-model-{hidden_size}x{num_layers}"
-        build_model(len(chat_tokenizer), hidden_size, num_layers, 2, 4 * hidden_size,
+        build_model(len(chat_tokenizer), hidden_size, num_layers, 2, intermediate_size=4 * hidden_size,
                     pad_token_id=chat_tokenizer.pad_token_id,
                     eos_token_id=chat_tokenizer.eos_token_id).save_pretrained(directory)
         chat_tokenizer.save_pretrained(directory)

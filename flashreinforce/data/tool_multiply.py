@@ -1,14 +1,16 @@
 """The tool task: multi-digit multiplication, where one Python call makes the answer easy and mental
 arithmetic (a small model's) does not.
 
-A prompt is `a*b=`; a good episode writes `<code>print(a*b)</code>`, reads `<output>N</output>` and answers
-`answer: N`. Warm-start traces mix tool episodes, mental answers (right for small products, with a digit
-off for large ones, as a model's guesses are) and wrong code (`a+b`), so RL has a policy to fix.
+A prompt is `a*b=` (or, for a chat model, a user message asking for a*b and saying how to call the tool); a good
+episode writes `<code>print(a*b)</code>`, reads `<output>N</output>` and answers `answer: N`. Warm-start traces mix
+tool episodes, mental answers (right for small products, with a digit off for large ones, as a model's guesses
+are) and wrong code (`a+b`), so RL has a policy to fix.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 from flashreinforce.types import Prompt
@@ -28,9 +30,17 @@ class TraceTurn:
     """What came back (None after the final answer)."""
 
 
-def make_tool_multiply_splits(num_train: int, num_eval: int, *, seed: int,
-                              digits: tuple[int, int] = (3, 3)) -> tuple[list[Prompt], list[Prompt]]:
-    """Disjoint train and held-out problems a*b with up to `digits` digits each (at least 2)."""
+def chat_question(a: int, b: int) -> str:
+    """The user message of a chat prompt: the product asked for, and the tool's contract (a chat model has
+    never seen these tags)."""
+    return (f"What is {a}*{b}? You can run Python: write code between {CODE_OPEN} and {CODE_CLOSE} and you will "
+            f"see what it prints. End with 'answer: ' and the number.")
+
+
+def make_tool_multiply_splits(num_train: int, num_eval: int, *, seed: int, digits: tuple[int, int] = (3, 3),
+                              chat: bool = False) -> tuple[list[Prompt], list[Prompt]]:
+    """Disjoint train and held-out problems a*b with up to `digits` digits each (at least 2). `chat`: each
+    prompt is one user message (chat_question), for a chat model's template."""
     rng = random.Random(seed)
     seen: set[tuple[int, int]] = set()
 
@@ -42,7 +52,8 @@ def make_tool_multiply_splits(num_train: int, num_eval: int, *, seed: int,
             if (a, b) in seen:
                 continue
             seen.add((a, b))
-            items.append(Prompt(id=f"{DATA_SOURCE}/{split}/{len(items):06d}", prompt=f"{a}*{b}=",
+            text = ({"role": "user", "content": chat_question(a, b)},) if chat else f"{a}*{b}="
+            items.append(Prompt(id=f"{DATA_SOURCE}/{split}/{len(items):06d}", prompt=text,
                                 ground_truth=str(a * b), data_source=DATA_SOURCE,
                                 difficulty=float(len(str(a)) + len(str(b)))))
         return items
@@ -51,8 +62,13 @@ def make_tool_multiply_splits(num_train: int, num_eval: int, *, seed: int,
     return draw("train", num_train), held_out
 
 
+_PRODUCT = re.compile(r"(\d+)\*(\d+)")
+
+
 def operands(prompt: Prompt) -> tuple[int, int]:
-    a, b = prompt.prompt.rstrip("=").split("*")
+    """a and b of `a*b=` or of a chat question."""
+    text = prompt.prompt if isinstance(prompt.prompt, str) else prompt.prompt[-1]["content"]
+    a, b = _PRODUCT.search(text).groups()
     return int(a), int(b)
 
 

@@ -33,7 +33,14 @@ from flashreinforce.metrics.plots import plot_run
 from flashreinforce.run.data import load_data
 from flashreinforce.run.directory import create_run_dir, read_json, write_json_atomic
 from flashreinforce.run.evaluation import EvalRequest, evaluate_checkpoint
-from flashreinforce.run.policy import load_policy, save_policy, seed_everything, tiny_policy, warm_start
+from flashreinforce.run.policy import (
+    load_policy,
+    resolve_model_path,
+    save_policy,
+    seed_everything,
+    tiny_policy,
+    warm_start,
+)
 from flashreinforce.trainer.checkpoint import load_states, newest_intact_checkpoint
 
 
@@ -125,15 +132,17 @@ def carried_state(checkpoint: Path | None, *, keep: bool, version: int) -> dict[
     return {key: value for key, value in trainer_state.items() if key not in dropped}
 
 
-def sft_stage(config: RunConfig, directory: Path, model_dir: Path, name: str, version: int,
+def sft_stage(config: RunConfig, directory: Path, model_dir: Path | None, name: str, version: int,
               reporter: Reporter) -> dict[str, Any]:
-    """SFT on the stage's tasks' demonstrations from `model_dir`, saved to directory/sft and scored on the
-    stage's held-out prompts. Redone whole if killed before its summary.json."""
+    """SFT on the stage's tasks' demonstrations from `model_dir` (None: model.path, the pipeline's first stage),
+    saved to directory/sft and scored on the stage's held-out prompts. Redone whole if killed before its
+    summary.json."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.yaml").write_text(dump_config(config))
     seed_everything(config.seed)
     torch.set_num_threads(config.backend.torch_threads)
-    policy = load_policy(model_dir)
+    policy = load_policy(model_dir) if model_dir is not None else load_policy(
+        resolve_model_path(config.model.path), field="model.path")
     warm_start(config, load_data(config), policy, reporter)
     save_policy(policy, directory / "sft")
     scores = evaluate_checkpoint(EvalRequest(directory / "sft", k=config.eval.k, num_prompts=config.eval.num_prompts,

@@ -54,7 +54,7 @@ def _arithmetic_examples(config: RunConfig, tokenizer: Any, train: list[Prompt])
 def _tool_multiply_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
     settings = config.data.tool_multiply
     return tool_multiply.make_tool_multiply_splits(settings.num_train, settings.num_eval, seed=settings.seed,
-                                                   digits=settings.digits)
+                                                   digits=settings.digits, chat=settings.chat)
 
 
 def renderer_for(config: RunConfig, tokenizer: Any, images: ImagePlaceholders | None = None) -> TurnRenderer:

@@ -80,3 +80,23 @@ def test_moe_episodes_record_and_replay_routes_across_turns(agent_run, tmp_path)
     assert all(m["mismatch/same_weights_tokens"] == m["batch/policy_tokens"] for m in trained)
     assert all(m["mismatch/same_weights_abs_max"] < 1e-4 for m in trained)
     assert summary["initial_turns"] > 1  # the rows are multi-turn: observations between turns
+
+
+def test_the_smollm2_tool_recipe_warm_starts_and_runs_tool_episodes_as_chat(save_chat_model, tiny_run, tmp_path):
+    """The recipe on a small chat model: SFT on chat traces, then episodes whose tool output is a `tool` message
+    in the template's own rendering, and held-out tool calls reported before and after."""
+    keep = [o for o in tiny_run if o.startswith(("log.", "verifier."))]
+    config = load_config("smollm2_tool", [
+        *keep, f"model.path={save_chat_model(32, 1)}", "precision.trainer=fp32", "precision.rollout=fp32",
+        "data.tool_multiply.num_train=40", "data.tool_multiply.num_eval=4", "stages.0.steps=2", "sft.batch_size=4",
+        "sft.tool_rate=1.0", "rollout.max_new_tokens=24", "scheduler.batch_groups=4", "stages.1.steps=2",
+        "trainer.checkpoint_every=1", "trainer.microbatch_size=4", "eval.num_prompts=4", "env.max_workers=1"])
+    assert config.data.tool_multiply.chat and config.env.role == "tool"
+    summary = run_training(config, run_dir=tmp_path / "run")
+    assert summary["optimizer_steps"] == 2 and summary["trained_trajectories"] == 8
+    warm, rl = summary["stages"]
+    assert warm["kind"] == "sft" and (tmp_path / "run" / "stages" / "01-warm" / "sft" / "model.safetensors").is_file()
+    assert "initial_tool_calls" in rl and "final_tool_calls" in rl
+    samples = [json.loads(line) for line in
+               (tmp_path / "run" / "stages" / "02-rl" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all("<|im_start|>user\nWhat is " in s["prompt"] for s in samples)

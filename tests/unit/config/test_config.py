@@ -146,7 +146,16 @@ def test_a_stage_with_options_its_loss_does_not_take_stops_the_run_before_the_fi
     assert not (tmp_path / "run").exists()
 
 
-def test_an_sft_stage_needs_the_tiny_model():
-    with pytest.raises(ValueError, match=r"stages\[0\] \(w\): kind sft .* make it an rl stage"):
+def test_an_sft_stage_needs_a_task_with_demonstrations():
+    with pytest.raises(ValueError, match=r"stages\[0\] \(w\): kind sft .* data.kind=files has none: make it an rl "
+                                         "stage"):
         load_config("own_model", ["model.path=org/name", "data.train=a.jsonl", "data.eval=b.jsonl",
                                   "stages=[{name: w, kind: sft, steps: 5}]"])
+    # A pretrained model fine-tunes on a built-in task's demonstrations (the smollm2_tool recipe does).
+    config = load_config("smollm2_tool", ["model.path=org/name"])
+    assert [stage.kind for stage in config.stages] == ["sft", "rl"]
+
+
+def test_chat_prompts_need_a_chat_model():
+    with pytest.raises(ValueError, match="data.tool_multiply.chat=true renders prompts with a chat model's template"):
+        load_config("tool_multiply", ["data.tool_multiply.chat=true"])

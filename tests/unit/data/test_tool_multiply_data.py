@@ -1,0 +1,55 @@
+"""The tool task's data: plain `a*b=` prompts for the tiny model, chat questions for a chat model (the
+`smollm2_tool` recipe), and warm-start traces whose tool output is a chat `tool` message."""
+
+import random
+
+import pytest
+
+from flashreinforce.config import load_config
+from flashreinforce.data.tool_multiply import make_tool_multiply_splits, operands, tool_trace
+from flashreinforce.run import tasks
+from flashreinforce.types import Prompt
+
+
+def test_chat_prompts_ask_the_same_problems_as_plain_ones():
+    plain_train, plain_eval = make_tool_multiply_splits(50, 10, seed=3)
+    chat_train, chat_eval = make_tool_multiply_splits(50, 10, seed=3, chat=True)
+    for plain, chat in zip([*plain_train, *plain_eval], [*chat_train, *chat_eval]):
+        assert (chat.id, chat.ground_truth) == (plain.id, plain.ground_truth)
+        (message,) = chat.prompt
+        assert message["role"] == "user" and "<code>" in message["content"] and "answer: " in message["content"]
+        assert operands(chat) == operands(plain)
+        a, b = operands(chat)
+        assert a * b == int(chat.ground_truth) and f"{a}*{b}" in message["content"]
+
+
+def test_operands_read_either_prompt_form():
+    assert operands(Prompt("p", "123*45=", "5535")) == (123, 45)
+    assert operands(Prompt("p", ({"role": "user", "content": "What is 123*45? Use the tool."},), "5535")) == (123, 45)
+
+
+def test_a_chat_trace_shows_the_tool_output_as_a_tool_message_and_trains_only_the_model_turns(chat_tokenizer):
+    config = load_config("smollm2_tool", ["sft.tool_rate=1.0", "sft.wrong_code_rate=0.0"])
+    item = make_tool_multiply_splits(1, 1, seed=0, chat=True)[0][0]
+    a, b = operands(item)
+    first_turn = tool_trace(item, random.Random(0), tool_rate=1.0, wrong_code_rate=0.0)[0]
+    assert first_turn.action == f"<code>print({a}*{b})</code>"
+    prompt_ids, completion, mask = tasks._tool_multiply_examples(config, chat_tokenizer, [item])[0]
+    assert chat_tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")
+    # The row is the template's own rendering of the conversation with a `tool` message (this Qwen-style template
+    # wraps it in a user turn's <tool_response>).
+    conversation = [*item.prompt, {"role": "assistant", "content": f"<code>print({a}*{b})</code>"},
+                    {"role": "tool", "content": f"<output>{a * b}</output>"},
+                    {"role": "assistant", "content": f"answer: {a * b}"}]
+    rendered = chat_tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert chat_tokenizer.decode(prompt_ids + completion) == rendered.rstrip("\n")
+    trained = chat_tokenizer.decode([token for token, keep in zip(completion, mask) if keep])
+    assert trained == f"<code>print({a}*{b})</code>answer: {a * b}<|im_end|>"
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_the_tool_rate_decides_which_traces_call_the_tool(rate):
+    items = make_tool_multiply_splits(40, 1, seed=1, chat=True)[0]
+    rng = random.Random(0)
+    calls = [len(tool_trace(item, rng, tool_rate=rate, wrong_code_rate=0.0)) == 2 for item in items]
+    assert all(calls) if rate == 1.0 else not any(calls)
