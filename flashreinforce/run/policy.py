@@ -48,6 +48,11 @@ def load_policy(path: str | Path, *, field: str = "model path") -> Policy:
     return Policy(load_tokenizer(path), load_model(path, dtype=torch.float32))
 
 
+def pretrained_policy(config: RunConfig) -> Policy:
+    """model.path's model and tokenizer, wherever it names them (resolve_model_path)."""
+    return load_policy(resolve_model_path(config.model.path), field="model.path")
+
+
 def resolve_model_path(path: str) -> Path:
     """model.path as a directory: a path; the name of a model `flashreinforce models get` converted (a recipe
     cannot know where a user's cache is; a known name whose conversion is missing is an error naming the
@@ -74,7 +79,7 @@ def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporte
     The warm start is saved to run_dir/sft/ once complete and reused from there.
     """
     if config.model.path is not None:
-        return load_policy(resolve_model_path(config.model.path), field="model.path")
+        return pretrained_policy(config)
     sft_dir = run_dir / "sft"
     if (sft_dir / "config.json").is_file():
         reporter.note(f"warm start: reusing {sft_dir}")

@@ -35,7 +35,7 @@ from flashreinforce.run.directory import create_run_dir, read_json, write_json_a
 from flashreinforce.run.evaluation import EvalRequest, evaluate_checkpoint
 from flashreinforce.run.policy import (
     load_policy,
-    resolve_model_path,
+    pretrained_policy,
     save_policy,
     seed_everything,
     tiny_policy,
@@ -141,8 +141,7 @@ def sft_stage(config: RunConfig, directory: Path, model_dir: Path | None, name: 
     (directory / "config.yaml").write_text(dump_config(config))
     seed_everything(config.seed)
     torch.set_num_threads(config.backend.torch_threads)
-    policy = load_policy(model_dir) if model_dir is not None else load_policy(
-        resolve_model_path(config.model.path), field="model.path")
+    policy = load_policy(model_dir) if model_dir is not None else pretrained_policy(config)
     warm_start(config, load_data(config), policy, reporter)
     save_policy(policy, directory / "sft")
     scores = evaluate_checkpoint(EvalRequest(directory / "sft", k=config.eval.k, num_prompts=config.eval.num_prompts,
