@@ -117,8 +117,9 @@ class ModelConfig(_Section):
 
 class PrecisionConfig(_Section):
     trainer: Literal["fp32", "bf16", "fp8"] = "fp32"
-    """The trainer's weights: fp32; bf16; fp8 (e4m3 linear weights with power-of-two scales, fake-quantized:
-    dequantized values, the rest in bf16). Master weights and optimizer state are fp32 whatever this is."""
+    """The trainer's weights, in RL and in an SFT warm start or stage: fp32; bf16; fp8 (e4m3 linear weights with
+    power-of-two scales, fake-quantized: dequantized values, the rest in bf16). Master weights and optimizer
+    state are fp32 whatever this is, and an SFT warm start hands its fp32 masters on."""
     rollout: Literal["fp32", "bf16", "fp8"] = "fp32"
     """The local engine's weights, in the same formats: the engine rounds or quantizes each weight push."""
     mode: Literal["separate", "unified"] = "separate"

@@ -135,5 +135,6 @@ def warm_start(config: RunConfig, data: Data, policy: Policy, reporter: Reporter
     with reporter.task("SFT warm start", total=config.sft.steps) as advance:
         sft_warm_start(policy.model, examples, steps=config.sft.steps, batch_size=config.sft.batch_size,
                        lr=config.sft.lr, seed=config.seed, pad_token_id=tokenizer.pad_token_id,
-                       on_step=lambda step, loss: advance(f"loss {loss:.3f}"))
+                       on_step=lambda step, loss: advance(f"loss {loss:.3f}"),
+                       numerics=side_numerics(config, "trainer"))
     reporter.note(f"warm start: {config.sft.steps} SFT steps in {time.perf_counter() - started:.0f} s")

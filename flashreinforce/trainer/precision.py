@@ -61,6 +61,14 @@ class MasterWeights:
         for _, param, master, fp8 in self._pairs:
             param.copy_(format_tensor(master, self.numerics, fp8=fp8) if self.numerics.formats_weights else master)
 
+    @torch.no_grad()
+    def copy_unformatted_to_model(self) -> None:
+        """The masters as they are, not formatted, into the model's parameters (in their dtype). A warm start
+        trained in bf16 or fp8 casts its model back to fp32 and calls this: it hands on full-precision weights,
+        which each side of RL then formats for itself, as it does a pretrained model's."""
+        for _, param, master, _ in self._pairs:
+            param.copy_(master)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 master}, empty for an fp32 model. The optimizer's state_dict holds no
         parameters, and the saved model holds only the rounded weights, so a resume needs these."""

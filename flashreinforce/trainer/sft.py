@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from flashreinforce.models.logprobs import first_marked, token_logprobs
+from flashreinforce.models.numerics import Numerics
 from flashreinforce.trainer.precision import MasterWeights
 
 
@@ -37,6 +38,7 @@ def sft_warm_start(
     seed: int,
     pad_token_id: int,
     on_step: Callable[[int, float], None] | None = None,
+    numerics: Numerics | None = None,
 ) -> list[float]:
     """Train on (prompt_ids, completion_ids[, completion_mask]) examples, or ImageExamples; returns the loss of
     each step.
@@ -44,12 +46,16 @@ def sft_warm_start(
     A completion mask (1 = a target) leaves forced tokens of multi-turn traces (observations) untrained, as
     RL's loss_mask does.
 
+    `numerics`: the trainer's (bf16, fp8 computes in bf16 over fp32 masters); the model comes back in its own
+    dtype holding the masters unrounded.
+
     Batches are drawn with replacement from a seeded generator, so the warm start is reproducible.
     """
     if not examples:
         raise ValueError("SFT needs at least one example")
     generator = torch.Generator().manual_seed(seed)
-    masters = MasterWeights(model)  # a bf16 model steps fp32 masters, else small updates round away
+    dtype = next(model.parameters()).dtype
+    masters = MasterWeights(model, numerics)  # a bf16 model steps fp32 masters, else small updates round away
     optimizer = torch.optim.AdamW(masters.params, lr=lr)
     model.train()
     losses = []
@@ -69,6 +75,9 @@ def sft_warm_start(
         losses.append(loss)
         if on_step is not None:
             on_step(step, losses[-1])
+    if masters.numerics.formats_weights:
+        model.to(dtype)
+        masters.copy_unformatted_to_model()
     return losses
 
 

@@ -4,7 +4,8 @@ extract_answer reads only what follows the last `</think>` (the think is scratch
 on a think that never closes. In that text it takes, in order: the last \boxed{...}, the later of the
 phrase "the answer is X" / "answer: X" and a GSM8K-style line "#### X" (X a bare answer with a digit, so
 that a markdown heading "#### Step 1: add" is not one), the text itself when it is a bare answer, else the
-last number. Markdown bold around or inside the marked answer ("**Answer:** 42") is ignored.
+last number (`strict`: a marked answer or none). Markdown bold around or inside the marked answer
+("**Answer:** 42") is ignored.
 answers_equal compares normalized strings, then numbers (ints, decimals, fractions, percents,
 thousands commas; exact rational arithmetic), then expressions with sympy (verifiers/symbolic.py).
 Nothing here runs user code or bounds time: verifiers/pool.py runs these calls under a timeout.
@@ -38,8 +39,9 @@ _LATEX_FRAC = re.compile(r"([-+]?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
-def extract_answer(text: str) -> str | None:
-    r"""The final answer in a completion, or None.
+def extract_answer(text: str, *, strict: bool = False) -> str | None:
+    r"""The final answer in a completion, or None. `strict`: only a marked answer (boxed, "answer: X", "####
+    X"), never the text's last number, which in an agent's final turn may be a number in its code.
 
     >>> extract_answer("<think>7+5+0=12;0+4+1=5;</think>52")
     '52'
@@ -58,6 +60,8 @@ def extract_answer(text: str) -> str | None:
     marked = _marked_answer(text)
     if marked is not None:
         return _answer_in(marked)
+    if strict:
+        return None
     if closed >= 0:
         return _answer_in(text)
     return _last_number(text)
@@ -78,9 +82,9 @@ def answers_equal(pred: str, truth: str) -> bool:
     return symbolic_equal(a, b)
 
 
-def math_reward(completion: str, ground_truth: str) -> Verdict:
+def math_reward(completion: str, ground_truth: str, *, strict: bool = False) -> Verdict:
     """1 with reason "ok" when the extracted answer equals the truth; 0 with "wrong" or "no_answer"."""
-    answer = extract_answer(completion)
+    answer = extract_answer(completion, strict=strict)
     if answer is None:
         return Verdict(reward=0.0, passed=False, reason="no_answer")
     if answers_equal(answer, ground_truth):
@@ -156,6 +160,10 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
-def math_verifier() -> Callable[[str, str, Prompt], Verdict]:
-    """The registry's `math`: math_reward on the completion (no options)."""
-    return lambda completion, ground_truth, prompt: math_reward(completion, ground_truth)
+def math_verifier(*, strict: bool = False) -> Callable[[str, str, Prompt], Verdict]:
+    """The registry's `math`: math_reward on the completion. `strict`: a completion must mark its answer (as
+    verl's strict GSM8K format demands "####"): a tool agent's final turn that only echoes the product in code
+    (`<code>print(119340)</code>`) has given no answer, though its last number is right."""
+    if not isinstance(strict, bool):
+        raise ValueError(f"math: strict must be true or false, not {strict!r}")
+    return lambda completion, ground_truth, prompt: math_reward(completion, ground_truth, strict=strict)

@@ -9,6 +9,7 @@ from flashreinforce.config import load_config
 from flashreinforce.data.tool_multiply import make_tool_multiply_splits, operands, tool_trace
 from flashreinforce.run import tasks
 from flashreinforce.types import Prompt
+from flashreinforce.verifiers.registry import build_verifier
 
 
 def test_chat_prompts_ask_the_same_problems_as_plain_ones():
@@ -53,3 +54,14 @@ def test_the_tool_rate_decides_which_traces_call_the_tool(rate):
     rng = random.Random(0)
     calls = [len(tool_trace(item, rng, tool_rate=rate, wrong_code_rate=0.0)) == 2 for item in items]
     assert all(calls) if rate == 1.0 else not any(calls)
+
+
+def test_the_smollm2_tool_recipe_scores_only_a_stated_answer():
+    """The chat question asks for 'answer: N'; a final turn that only prints the product in code is no answer
+    (a run scored by the lenient math verifier learned to end every episode that way)."""
+    verify = build_verifier(load_config("smollm2_tool").verifier.reward_fn)
+    item = make_tool_multiply_splits(1, 1, seed=0, chat=True)[0][0]
+    a, b = operands(item)
+    assert verify(f"answer: {a * b}", item.ground_truth, item).passed
+    verdict = verify(f"<code>print({a * b})</code>", item.ground_truth, item)
+    assert (verdict.passed, verdict.reason) == (False, "no_answer")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashreinforce.models import build_model, token_logprobs
+from flashreinforce.models.numerics import Numerics
 from flashreinforce.trainer.process import TrainerProcess
 from flashreinforce.trainer.sft import sft_warm_start
 from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
@@ -188,6 +189,30 @@ def test_sft_on_a_bf16_model_keeps_small_updates():
     moved, agree = rounded_like_reference(model, reference, initial)
     assert moved > 0.5, "the test needs updates that exceed the bf16 rounding step"
     assert agree > 0.95
+
+
+def test_sft_in_the_trainers_bf16_hands_on_fp32_masters():
+    """precision.trainer=bf16 runs a warm start in bf16 over fp32 masters; what comes back is the fp32 model
+    holding the masters, not their bf16 rounding, and close to the same warm start in fp32."""
+    generator = torch.Generator().manual_seed(0)
+    examples = [(torch.randint(1, VOCAB, (3,), generator=generator).tolist(),
+                 torch.randint(1, VOCAB, (4,), generator=generator).tolist()) for _ in range(16)]
+    model = build_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64, seed=0)
+    reference = copy.deepcopy(model)
+    dtypes = set()
+    losses = sft_warm_start(model, examples, steps=20, batch_size=8, lr=1e-3, seed=0, pad_token_id=0,
+                            numerics=Numerics(precision="bf16"),
+                            on_step=lambda step, loss: dtypes.add(next(model.parameters()).dtype))
+    sft_warm_start(reference, examples, steps=20, batch_size=8, lr=1e-3, seed=0, pad_token_id=0)
+    assert dtypes == {torch.bfloat16}
+    assert losses[-1] < losses[0]
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert weights.dtype == torch.float32
+    assert (weights != weights.bfloat16().float()).float().mean() > 0.9  # unrounded masters
+    expected = torch.cat([p.detach().flatten() for p in reference.parameters()])
+    start = torch.cat([p.detach().flatten() for p in build_model(
+        VOCAB, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64, seed=0).parameters()])
+    assert (weights - expected).abs().mean() < 0.2 * (expected - start).abs().mean()
 
 
 def test_an_fp32_model_is_stepped_in_place_without_masters():

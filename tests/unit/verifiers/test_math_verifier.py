@@ -1,7 +1,8 @@
 import pytest
 
-from flashreinforce.types import Verdict
+from flashreinforce.types import Prompt, Verdict
 from flashreinforce.verifiers.math import answers_equal, extract_answer, math_reward, parse_number
+from flashreinforce.verifiers.registry import build_verifier
 from flashreinforce.verifiers.symbolic import symbolic_equal
 
 
@@ -103,3 +104,26 @@ def test_math_reward_reasons():
     assert math_reward("<think>2+3+0=5;</think>6", "5") == Verdict(reward=0.0, passed=False, reason="wrong")
     assert math_reward("<think>2+3+0=5;", "5") == Verdict(reward=0.0, passed=False, reason="no_answer")
     assert math_reward(r"It is \boxed{\frac{10}{2}}", "5").passed
+
+
+@pytest.mark.parametrize(("text", "passed"), [
+    ("answer: 119340", True),
+    (r"so \boxed{119340}", True),
+    ("The answer is 119,340.", True),
+    ("#### 119340", True),
+    ("<code>print(119340)</code>", False),  # an agent's final turn that only echoes the product in code
+    ("<think>918*130</think>119340", False),
+    ("119340", False),
+    ("answer: 119341", False),
+])
+def test_strict_math_takes_only_a_marked_answer(text, passed):
+    verify = build_verifier({"kind": "math", "strict": True})
+    verdict = verify(text, "119340", Prompt("p", "918*130=", "119340"))
+    assert verdict.passed is passed
+    assert verdict.reason == ("ok" if passed else "wrong" if "119341" in text else "no_answer")
+    assert build_verifier("math")(text, "119340", Prompt("p", "918*130=", "119340")).passed is ("119341" not in text)
+
+
+def test_strict_must_be_a_boolean():
+    with pytest.raises(ValueError, match="strict must be true or false"):
+        build_verifier({"kind": "math", "strict": "yes"})
