@@ -14,6 +14,7 @@ from flashreinforce.run.engines import engine_shape
 from flashreinforce.run.policy import tiny_tokenizer
 from flashreinforce.run.scheduling import run_order
 from flashreinforce.verifiers.pool import VerifierPool
+from flashreinforce.verifiers.registry import parse_spec, spec_ref
 
 BUILT_IN_DATA = ["arithmetic", "arithmetic_grpo", "arithmetic_sync", "arithmetic_april", "arithmetic_urb",
                  "arithmetic_moe", "tool_multiply", "text_game", "instructions"]
@@ -36,7 +37,7 @@ def test_a_recipe_without_tasks_is_its_one_task_and_orders_its_prompts_as_before
     order, before = run_order(config, data), PromptOrder(data.train, seed=config.data.shuffle_seed)
     positions = 3 * config.scheduler.batch_groups
     assert [order[i].id for i in range(positions)] == [before[i].id for i in range(positions)]
-    assert verifier_options(config)["reward_fns"] == [config.verifier.reward_fn]
+    assert verifier_options(config)["reward_fns"] == [spec_ref(parse_spec(config.verifier.reward_fn))]
 
 
 def test_a_mixtures_prompts_carry_their_task_and_interleave_by_weight_the_same_after_a_restart():
