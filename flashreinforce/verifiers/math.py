@@ -19,6 +19,7 @@ from fractions import Fraction
 
 from flashreinforce.data.arithmetic import THINK_CLOSE, THINK_OPEN
 from flashreinforce.types import Prompt, Verdict
+from flashreinforce.verifiers.registry import check_bool_options
 from flashreinforce.verifiers.symbolic import symbolic_equal
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -164,6 +165,5 @@ def math_verifier(*, strict: bool = False) -> Callable[[str, str, Prompt], Verdi
     """The registry's `math`: math_reward on the completion. `strict`: a completion must mark its answer (as
     verl's strict GSM8K format demands "####"): a tool agent's final turn that only echoes the product in code
     (`<code>print(119340)</code>`) has given no answer, though its last number is right."""
-    if not isinstance(strict, bool):
-        raise ValueError(f"math: strict must be true or false, not {strict!r}")
+    check_bool_options("math", strict=strict)
     return lambda completion, ground_truth, prompt: math_reward(completion, ground_truth, strict=strict)

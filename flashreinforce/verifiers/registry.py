@@ -161,6 +161,13 @@ def to_verdict(value: object) -> Verdict:
                           "return a finite float, a bool or a Verdict(reward: float, passed: bool, reason: str)")
 
 
+def check_bool_options(kind: str, **options: object) -> None:
+    """A verifier factory's yes/no options, each true or false (YAML's `yes` or 1 is refused, naming it)."""
+    for name, value in options.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{kind}: option `{name}` is {value!r}; use true or false")
+
+
 def _finite(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 

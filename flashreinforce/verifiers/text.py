@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 
 from flashreinforce.data.arithmetic import THINK_CLOSE, THINK_OPEN
 from flashreinforce.types import Prompt, Verdict
+from flashreinforce.verifiers.registry import check_bool_options
 
 Scorer = Callable[[str, str, Prompt], Verdict]
 
@@ -188,7 +189,7 @@ def choice_verifier(*, letters: str = "ABCDEFGHIJ", match_text: bool = True, aft
     letter or the text of one of the prompt's options; any other is reason "bad_ground_truth: ...".
     """
     letters = _check_letters(letters)
-    _check_bool("choice", match_text=match_text, after_think=after_think)
+    check_bool_options("choice", match_text=match_text, after_think=after_think)
 
     def score(completion: str, ground_truth: str, prompt: Prompt) -> Verdict:
         options = prompt_options(prompt, letters)
@@ -214,7 +215,7 @@ def exact_verifier(*, strip: bool = True, case_sensitive: bool = True, after_thi
     strip: both lose their surrounding whitespace first; case_sensitive: False compares them case-folded;
     after_think: compare only what follows `</think>`. An empty answer is reason no_answer.
     """
-    _check_bool("exact", strip=strip, case_sensitive=case_sensitive, after_think=after_think)
+    check_bool_options("exact", strip=strip, case_sensitive=case_sensitive, after_think=after_think)
 
     def score(completion: str, ground_truth: str, prompt: Prompt) -> Verdict:
         answer = final_part(completion) if after_think else completion
@@ -249,7 +250,7 @@ def regex_verifier(*, pattern: str | None = None, flags: str = "", match: str = 
     bits = _regex_flags("regex", flags)
     if match not in ("full", "search"):
         raise ValueError(f"regex: option `match` is {match!r}; use full (the whole answer) or search (anywhere)")
-    _check_bool("regex", after_think=after_think)
+    check_bool_options("regex", after_think=after_think)
     fixed = None
     if pattern is not None:
         if not isinstance(pattern, str) or not pattern:
@@ -296,12 +297,6 @@ def _compile(kind: str, option: str, pattern: str, bits: int) -> re.Pattern[str]
                          "fix it (Python re syntax; in YAML, quote it with single quotes)") from None
 
 
-def _check_bool(kind: str, **options: object) -> None:
-    for name, value in options.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{kind}: option `{name}` is {value!r}; use true or false")
-
-
 # ---- format -------------------------------------------------------------------------------------------------
 
 SHAPES = ("think_answer", "think_answer_tags")
@@ -318,7 +313,7 @@ def format_verifier(*, shape: str = "think_answer", pattern: str | None = None, 
     starts inside it and only closes it. pattern: instead of a shape, a regular expression the whole completion
     must match (flags as for `regex`; `.` crosses lines only with s). The ground truth is not read.
     """
-    _check_bool("format", think_in_prompt=think_in_prompt)
+    check_bool_options("format", think_in_prompt=think_in_prompt)
     bits = _regex_flags("format", flags)
     if flags and pattern is None:
         raise ValueError("format: option `flags` applies to `pattern` only; give a pattern or drop flags")

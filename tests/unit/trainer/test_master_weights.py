@@ -199,6 +199,7 @@ def test_sft_in_the_trainers_bf16_hands_on_fp32_masters():
                  torch.randint(1, VOCAB, (4,), generator=generator).tolist()) for _ in range(16)]
     model = build_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64, seed=0)
     reference = copy.deepcopy(model)
+    start = flat_weights(model)
     dtypes = set()
     losses = sft_warm_start(model, examples, steps=20, batch_size=8, lr=1e-3, seed=0, pad_token_id=0,
                             numerics=Numerics(precision="bf16"),
@@ -206,13 +207,14 @@ def test_sft_in_the_trainers_bf16_hands_on_fp32_masters():
     sft_warm_start(reference, examples, steps=20, batch_size=8, lr=1e-3, seed=0, pad_token_id=0)
     assert dtypes == {torch.bfloat16}
     assert losses[-1] < losses[0]
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    weights, expected = flat_weights(model), flat_weights(reference)
     assert weights.dtype == torch.float32
     assert (weights != weights.bfloat16().float()).float().mean() > 0.9  # unrounded masters
-    expected = torch.cat([p.detach().flatten() for p in reference.parameters()])
-    start = torch.cat([p.detach().flatten() for p in build_model(
-        VOCAB, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64, seed=0).parameters()])
     assert (weights - expected).abs().mean() < 0.2 * (expected - start).abs().mean()
+
+
+def flat_weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])  # a copy
 
 
 def test_an_fp32_model_is_stepped_in_place_without_masters():

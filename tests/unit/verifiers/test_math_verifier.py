@@ -125,5 +125,5 @@ def test_strict_math_takes_only_a_marked_answer(text, passed):
 
 
 def test_strict_must_be_a_boolean():
-    with pytest.raises(ValueError, match="strict must be true or false"):
+    with pytest.raises(ValueError, match="math: option `strict` is 'yes'; use true or false"):
         build_verifier({"kind": "math", "strict": "yes"})
