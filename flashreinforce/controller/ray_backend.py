@@ -350,7 +350,7 @@ class RayBackend:
             partials = [p for held in await asyncio.gather(*(self._pause_one(e) for e in busy)) for p in held]
         finally:
             self._pausing = False
-        partials += [_as_partial(self._requests[i]) for i in self._queue]  # no engine could take these yet
+        partials += [_as_partial(self._requests[i]) for i in self._queue]  # not routed yet, or an engine lost
         self._queue.clear()
         for partial in partials:
             del self._requests[partial.request_id]
@@ -367,11 +367,11 @@ class RayBackend:
             self._accept(engine, report)
             if engine.poll is not None:  # woken by the pause: its answer comes at once
                 await asyncio.wait([engine.poll])
-        except EngineLost as lost:  # what it held is known only as it was submitted
-            partials = [_as_partial(r) for r in engine.requests.values()]
-            engine.requests.clear()
+        except EngineLost as lost:
+            # Its requests go back to the queue, counted as requeued, and pause() hands them back as partials
+            # as they were submitted: what it generated for them died with it.
             self._recover(engine, lost)
-            return partials
+            return []
         held = [p for p in partials if engine.requests.pop(p.request_id, None) is not None]
         held += [_as_partial(engine.requests.pop(i)) for i in list(engine.requests)]  # none, unless it lost some
         return held

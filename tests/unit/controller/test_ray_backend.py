@@ -219,6 +219,28 @@ def test_a_killed_engine_restarts_with_the_current_weights_and_loses_nothing(bac
     assert all(set(g.policy_versions) == {7} for g in [*got.values(), *later.values()])
 
 
+@pytest.mark.slow  # real Ray actors (the module's backend starts in ~15 s)
+def test_an_engine_found_dead_by_a_pause_has_its_requests_requeued_and_handed_back(backend, setup, loop):
+    requeued = backend.counts["requeued_requests"]
+    ids = [f"p{i}" for i in range(24)]
+
+    async def run():
+        submit(backend, setup, ids)
+        await asyncio.sleep(0)
+        held = len(backend.engines[0].requests)
+        ray.kill(backend.engines[0].actor, no_restart=False)
+        partials, done = await backend.pause()  # no poll runs meanwhile: the pause is what finds it dead
+        await backend.resume(partials)
+        got = await drain(backend, [p.request_id for p in partials])
+        await until_healthy(backend)
+        return held, partials, done, got
+
+    held, partials, done, got = loop.run_until_complete(run())
+    assert held == 12 and backend.counts["requeued_requests"] == requeued + held
+    assert sorted([p.request_id for p in partials] + [g.request_id for g in done]) == sorted(ids)
+    assert sorted(got) == sorted(p.request_id for p in partials)
+
+
 @pytest.mark.slow
 def test_a_hung_engine_is_detected_within_its_deadline(backend, setup, loop):
     restarts = backend.counts["engine_restarts"]
