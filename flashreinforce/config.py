@@ -312,7 +312,8 @@ class EnvConfig(_Section):
     options: dict[str, Any] = {}
     """Keyword arguments of the environment's constructor."""
     max_turns: int = Field(1, ge=1)
-    """Most model turns per episode; an episode that uses them all ends with finish reason "turns"."""
+    """Most model turns per episode; an episode that uses them all ends with finish reason "turns". If its last
+    turn called a tool (the environment's info said tool_call), the verifier does not read it: reason no_answer."""
     reward: Literal["env", "verifier", "both"] = "verifier"
     """env: the environment's summed rewards; verifier: the verifier on the final turn's text; both: the sum."""
     role: Literal["user", "tool"] = "user"

@@ -208,7 +208,8 @@ class EpisodeState:
     conversation: tuple[dict[str, str], ...] | None = None
     """Chat episodes: the messages so far, what the chat template renders the next observation against."""
     end: str | None = None
-    """Why a finished episode ended: done | turns | length | env_timeout | env_crash: ... | env_error: ..."""
+    """Why a finished episode ended: done | turns | turns_in_tool_call (the last turn called a tool) | length |
+    env_timeout | env_crash: ... | env_error: ..."""
     verdict: Verdict | None = None
     """A finished episode's judgement (environment reward, verifier, or both, per env.reward)."""
 
@@ -228,6 +229,10 @@ class Verdict:
     seconds: float = 0.0
     parts: tuple[tuple[str, float], ...] = ()
     """A combined verifier's (name, reward) per part (verifiers/registry.py sum_verifier); () otherwise."""
+
+
+NO_ANSWER = Verdict(reward=0.0, passed=False, reason="no_answer")
+"""Nothing to score: no answer in the text, a think that never closes, an episode cut in a tool call."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.envs.turns import TurnRenderer
 from flashreinforce.rollout.engine import append_forced_tokens
 from flashreinforce.types import (
+    NO_ANSWER,
     EpisodeState,
     FinishReason,
     Generation,
@@ -39,6 +40,8 @@ from flashreinforce.types import (
 )
 
 RewardSource = Literal["env", "verifier", "both"]
+CUT_IN_TOOL_CALL = "turns_in_tool_call"
+"""How an episode ended whose last turn called a tool and used the last of env.max_turns."""
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,8 @@ class EpisodeBackend:
         if step.done:
             return self._end(row, "done", "stop")
         if len(state.actions) >= route.max_turns:
-            return self._end(row, "turns", "turns")
+            # A final turn that called a tool is not an answer: the model never saw the tool's output.
+            return self._end(row, CUT_IN_TOOL_CALL if step.info.get("tool_call") else "turns", "turns")
         forced, conversation = route.renderer.observation_ids(state.conversation, last_turn(row), step.observation)
         length = len(row.prompt_ids) + len(row.token_ids) + len(forced)
         if (len(row.token_ids) + len(forced) >= row.params.max_new_tokens
@@ -485,7 +489,8 @@ class EpisodeBackend:
         for g in generations:
             self._params.pop(g.request_id, None)
         asks = [i for i, (g, route) in enumerate(zip(generations, routes))
-                if not route.multi_turn or (route.reward != "env" and g.finish_reason != "env_error")]
+                if not route.multi_turn or (route.reward != "env" and g.finish_reason != "env_error"
+                                            and g.episode.end != CUT_IN_TOOL_CALL)]
         scored = dict(zip(asks, await self.inner.score([(texts[i], prompts[i]) for i in asks])))
         return [episode_verdict(g.episode, scored.get(i), route.reward) if route.multi_turn else scored[i]
                 for i, (g, route) in enumerate(zip(generations, routes))]
@@ -493,9 +498,13 @@ class EpisodeBackend:
 
 def episode_verdict(state: EpisodeState, verifier: Verdict | None, source: RewardSource) -> Verdict:
     """Combine the environment's rewards and the verifier's verdict per env.reward; a failed environment
-    scores 0 with its reason (env_timeout, env_crash: ..., env_error: ...)."""
+    scores 0 with its reason (env_timeout, env_crash: ..., env_error: ...), and an episode the turn budget cut
+    in a tool call has no answer for the verifier (0, no_answer): a verifier that falls back to the last number
+    of the turn would otherwise reward printing the answer's variable and running out of turns."""
     if state.end is not None and state.end.startswith("env_"):
         return Verdict(reward=0.0, passed=False, reason=state.end)
+    if state.end == CUT_IN_TOOL_CALL and source != "env":
+        verifier = NO_ANSWER
     env_reward = sum(state.rewards)
     env_passed = state.success if state.success is not None else env_reward > 0
     if source == "env" or verifier is None:

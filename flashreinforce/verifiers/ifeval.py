@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashreinforce.data.arithmetic import THINK_CLOSE
-from flashreinforce.types import Prompt, Verdict
+from flashreinforce.types import NO_ANSWER, Prompt, Verdict
 from flashreinforce.verifiers.text import final_part
 
 RELATIONS = ("less than", "at least")
@@ -648,7 +648,7 @@ def ifeval_reward(completion: str, ground_truth: str, *, require_all: bool = Fal
     constraints = parse_ground_truth(ground_truth)
     answer = final_part(completion)
     if answer is None:
-        return Verdict(reward=0.0, passed=False, reason="no_answer")
+        return NO_ANSWER
     if THINK_CLOSE in completion:
         answer = answer.lstrip()  # the "\n\n" a chat template puts after </think> is not part of the answer
     met = [follows(answer, i, args, strict=strict) for i, args in constraints]

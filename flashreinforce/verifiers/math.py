@@ -18,7 +18,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from flashreinforce.data.arithmetic import THINK_CLOSE, THINK_OPEN
-from flashreinforce.types import Prompt, Verdict
+from flashreinforce.types import NO_ANSWER, Prompt, Verdict
 from flashreinforce.verifiers.registry import check_bool_options
 from flashreinforce.verifiers.symbolic import symbolic_equal
 
@@ -87,7 +87,7 @@ def math_reward(completion: str, ground_truth: str, *, strict: bool = False) -> 
     """1 with reason "ok" when the extracted answer equals the truth; 0 with "wrong" or "no_answer"."""
     answer = extract_answer(completion, strict=strict)
     if answer is None:
-        return Verdict(reward=0.0, passed=False, reason="no_answer")
+        return NO_ANSWER
     if answers_equal(answer, ground_truth):
         return Verdict(reward=1.0, passed=True, reason="ok")
     return Verdict(reward=0.0, passed=False, reason="wrong")

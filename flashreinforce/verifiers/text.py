@@ -22,14 +22,13 @@ import re
 from collections.abc import Callable, Mapping
 
 from flashreinforce.data.arithmetic import THINK_CLOSE, THINK_OPEN
-from flashreinforce.types import Prompt, Verdict
+from flashreinforce.types import NO_ANSWER, Prompt, Verdict
 from flashreinforce.verifiers.registry import check_bool_options
 
 Scorer = Callable[[str, str, Prompt], Verdict]
 
 OK = Verdict(reward=1.0, passed=True, reason="ok")
 WRONG = Verdict(reward=0.0, passed=False, reason="wrong")
-NO_ANSWER = Verdict(reward=0.0, passed=False, reason="no_answer")
 
 
 def final_part(completion: str, *, think_open: str = THINK_OPEN, think_close: str = THINK_CLOSE) -> str | None:

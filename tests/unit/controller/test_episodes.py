@@ -55,7 +55,7 @@ ENV_MODULE = textwrap.dedent('''
                 time.sleep(0.15)
             self.n += 1
             done = self.n >= 3
-            return action.upper(), float(done), done, {}
+            return action.upper(), float(done), done, {"tool_call": action.startswith("run")}
 
         def close(self):
             pass
@@ -228,6 +228,19 @@ def test_the_turn_budget_ends_an_episode_with_turns(env_spec):
     assert list(row.token_ids) == [*encode("go"), EOS, *observation("go"), *encode("look"), EOS]
     assert verdicts == [Verdict(0.0, False, "failed")]
     assert episodes.counts == {"end/turns": 1}
+
+
+@pytest.mark.parametrize("reward", ["verifier", "both"])
+def test_a_turn_budget_that_ends_in_a_tool_call_leaves_no_answer_to_score(env_spec, reward):
+    script = {"r0": ["go", "run x"], "r1": ["go", "look"]}
+    rows, verdicts, backend, episodes = play(env_spec, script, EpisodeSettings(max_turns=2, reward=reward),
+                                             judge=True)
+    assert rows["r0"].finish_reason == rows["r1"].finish_reason == "turns"
+    assert rows["r0"].episode.end == "turns_in_tool_call" and rows["r0"].episode.tool_calls == 1
+    assert rows["r1"].episode.end == "turns"
+    assert episodes.counts == {"end/turns_in_tool_call": 1, "end/turns": 1}
+    assert [text for text, _ in backend.scored] == ["look"]  # the tool call is not read as an answer
+    assert verdicts == [Verdict(0.0, False, "no_answer"), Verdict(0.5, True, "ok")]
 
 
 def test_an_observation_that_does_not_fit_the_token_budget_ends_the_episode_with_length(env_spec):
