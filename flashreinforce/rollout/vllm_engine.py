@@ -292,10 +292,9 @@ class _Request:
     """Encoded images whose tokens are in prompt_ids + tokens, in placeholder order (Generation.images)."""
     vllm_prompt: Any = None
     """What vLLM is given, until it is given it (then None: a request vLLM holds)."""
-    prefill: int = 0
-    """Tokens vLLM prefills for it when it is given: prompt plus prefix."""
     prefilled: bool = False
-    """vLLM returned a token of it: it decodes one token a step from now on."""
+    """vLLM returned a token of it: it decodes one token a step from now on. Until then no token was appended,
+    so `length` is what vLLM prefills."""
 
     @property
     def sent(self) -> bool:
@@ -457,7 +456,7 @@ class VllmEngine:
             self._ready.append(self._generation(request, "length" if request.length >= request.end else "stop"))
             return
         # Built now: it checks the image tokens before the request is anywhere.
-        request.vllm_prompt, request.prefill = self._vllm_prompt(request), request.length
+        request.vllm_prompt = self._vllm_prompt(request)
         self._live[request_id] = request
         if not self._whole_prefills:
             self._send(request)
@@ -470,7 +469,8 @@ class VllmEngine:
         finished, self._ready = self._ready, []
         busy = self.num_running
         if self._live:
-            self._admit()
+            if self._whole_prefills:
+                self._admit()
             for request in self._live.values():
                 request.stepped = request.stepped or request.sent
             finished += self._take(self._llm.step())
@@ -578,14 +578,17 @@ class VllmEngine:
     def _admit(self) -> None:
         """Give vLLM the held requests, in submission order, while the next step holds each one's whole prompt
         beside the tokens vLLM already owes the requests it holds (a prefilled one decodes one token a step)."""
+        waiting = [r for r in self._live.values() if not r.sent]
+        if not waiting:
+            return
         held = [r for r in self._live.values() if r.sent]
-        used = sum(1 if r.prefilled else r.prefill for r in held)
-        for r in [r for r in self._live.values() if not r.sent]:
-            if used + r.prefill > self._step_tokens and held:
+        used = sum(1 if r.prefilled else r.length for r in held)
+        for r in waiting:
+            if used + r.length > self._step_tokens and held:
                 return
             self._send(r)
             held.append(r)
-            used += r.prefill
+            used += r.length
 
     def _check_request(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
                        prefix: Generation | None) -> None:
