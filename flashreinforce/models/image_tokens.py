@@ -37,13 +37,15 @@ def expand_image_placeholders(ids: Sequence[int], image_token_id: int, counts: S
                               where: str = "prompt") -> list[int]:
     """`ids` with the i-th image token repeated counts[i] times: the only place placeholders are expanded.
 
-    Each image is one token in `ids`; an adjacent pair means text that was expanded already, an error like a
-    placeholder count that differs from len(counts)."""
+    Each image is one token in `ids`, so two images side by side (`<image><image>`) are two adjacent tokens. Ids
+    expanded already hold sum(counts) image tokens instead of len(counts): refused, saying so, as is any other
+    placeholder count that differs from the number of images."""
     positions = [j for j, t in enumerate(ids) if t == image_token_id]
-    if any(b == a + 1 for a, b in zip(positions, positions[1:])):
-        raise ValueError(f"{where}: adjacent {IMAGE_TOKEN} tokens: these ids were expanded already (one placeholder "
-                         "per image goes in; the expansion happens once)")
     if len(positions) != len(counts):
+        if sum(counts) != len(counts) and _expanded_runs(positions, counts):
+            raise ValueError(f"{where}: {len(positions)} {IMAGE_TOKEN} tokens for {len(counts)} images, as many as "
+                             "their expansion holds: these ids were expanded already (one placeholder per image goes "
+                             "in; the expansion happens once)")
         raise ValueError(f"{where}: {len(positions)} {IMAGE_TOKEN} placeholders for {len(counts)} images; give "
                          f"one {IMAGE_TOKEN} in the text per attached image")
     out, image = [], 0
@@ -54,3 +56,21 @@ def expand_image_placeholders(ids: Sequence[int], image_token_id: int, counts: S
         else:
             out.append(token)
     return out
+
+
+def _expanded_runs(positions: Sequence[int], counts: Sequence[int]) -> bool:
+    """Do the image tokens at `positions` form the expansion of `counts`: runs of adjacent tokens, each run the
+    images' counts in order (images side by side share one run)?"""
+    runs: list[int] = []
+    for a, b in zip([None, *positions], positions):
+        if a is not None and b == a + 1:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    remaining = list(counts)
+    for run in runs:
+        while run > 0 and remaining and remaining[0] <= run:
+            run -= remaining.pop(0)
+        if run:
+            return False
+    return not remaining

@@ -69,6 +69,26 @@ def test_engine_behavior_logprobs_equal_the_recompute_with_images():
     assert float((own - other).abs().max()) > 1e-3
 
 
+def test_two_images_side_by_side_are_two_placeholders_and_each_one_is_seen():
+    """`<image><image>` in data: two adjacent placeholders, each its own image's run (not refused as re-expanded)."""
+    ids = TOKENIZER.encode(f"{IMAGE_TOKEN}{IMAGE_TOKEN}which:", add_special_tokens=False)
+    assert ids[:2] == [IMAGE_ID, IMAGE_ID]
+    assert expand_image_placeholders(ids, IMAGE_ID, [2, 3])[:6] == [IMAGE_ID] * 5 + [ids[2]]
+    model = vision_model()
+    engine = Engine(copy.deepcopy(model), max_batch_size=2, max_context=100, eos_token_ids=1, pad_token_id=0)
+    pairs = [(png(1), png(2)), (png(2), png(1))]  # the same two pictures in either order
+    for i, images in enumerate(pairs):
+        engine.submit(f"r{i}", prompt_ids(model, f"{IMAGE_TOKEN}{IMAGE_TOKEN}which:", list(images)),
+                      SamplingParams(max_new_tokens=6, seed=0), images=images)
+    generations = sorted(run_to_end(engine), key=lambda g: g.request_id)
+    assert max_logprob_gap(model, generations) <= 1e-5
+    ids, mask = rows_of(generations[:1])
+    with torch.no_grad():  # order matters: each placeholder takes its own image
+        forward, _ = token_logprobs(model, ids, mask, images=[pairs[0]])
+        swapped, _ = token_logprobs(model, ids, mask, images=[pairs[1]])
+    assert float((forward - swapped).abs().max()) > 1e-3
+
+
 def test_images_survive_pause_resume_and_a_weight_push():
     model = vision_model()
     engine = Engine(copy.deepcopy(model), max_batch_size=4, max_context=100, eos_token_ids=(), pad_token_id=0)
