@@ -188,7 +188,7 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
                 parts.scheduler.ledger.drop(key, "stage_end")
         parts.scheduler.ledger.check()
         final = await final_evaluation(parts, held_out, log.last_eval, last_step, reporter)
-        summary = summarize(parts, initial["metrics"], final, writer.clock())
+        summary = summarize(parts, held_out, initial["metrics"], final, writer.clock())
         if stage is not None:
             summary.update(stage=stage.name, first_step=stage.first_version)
         write_json_atomic(run_dir / "summary.json", summary)
@@ -230,7 +230,8 @@ async def final_evaluation(parts: RunParts, held_out: HeldOut, last_eval: dict[s
     return report.metrics()
 
 
-def summarize(parts: RunParts, initial: dict[str, float], final: dict[str, float], wall_seconds: float) -> dict:
+def summarize(parts: RunParts, held_out: HeldOut, initial: dict[str, float], final: dict[str, float],
+              wall_seconds: float) -> dict:
     ledger = parts.scheduler.ledger.summary()
     return {
         "run_dir": str(parts.run_dir),
@@ -238,7 +239,7 @@ def summarize(parts: RunParts, initial: dict[str, float], final: dict[str, float
         "initial_accuracy": initial["eval/avg@k"],
         "final_accuracy": final["eval/avg@k"],
         "eval_k": parts.config.eval.k,
-        "eval_prompts": min(len(parts.data.eval), parts.config.eval.num_prompts),
+        "eval_prompts": len(held_out.prompts),  # in a mixture, eval.num_prompts of each task's
         "wall_seconds": wall_seconds,
         "optimizer_steps": parts.trainer.version,
         "trained_trajectories": ledger["trained"],
@@ -248,14 +249,16 @@ def summarize(parts: RunParts, initial: dict[str, float], final: dict[str, float
         "verifier": parts.pool.stats(),
         **{f"{when}_{name}": metrics[f"eval/{name}"] for when, metrics in (("initial", initial), ("final", final))
            for name in ("greedy_accuracy", "distinct_answers", "turns", "tool_calls") if f"eval/{name}" in metrics},
-        **({"tasks": task_summary(parts.config, initial, final)} if parts.config.tasks else {}),
+        **({"tasks": task_summary(parts.config, held_out, initial, final)} if parts.config.tasks else {}),
     }
 
 
-def task_summary(config: RunConfig, initial: dict[str, float], final: dict[str, float]) -> dict[str, dict]:
-    """Each task's held-out score before and after RL (its own prompts and verifier)."""
-    return {name: {f"{when}_{metric}": scores[f"eval/task/{name}/{key}"]
-                   for when, scores in (("initial", initial), ("final", final))
-                   for metric, key in (("accuracy", "avg@k"), ("greedy_accuracy", "greedy_accuracy"))
-                   if f"eval/task/{name}/{key}" in scores}
+def task_summary(config: RunConfig, held_out: HeldOut, initial: dict[str, float],
+                 final: dict[str, float]) -> dict[str, dict]:
+    """Each task's held-out score before and after RL (its own prompts and verifier), and how many prompts."""
+    return {name: {"eval_prompts": sum(p.task == name for p in held_out.prompts),
+                   **{f"{when}_{metric}": scores[f"eval/task/{name}/{key}"]
+                      for when, scores in (("initial", initial), ("final", final))
+                      for metric, key in (("accuracy", "avg@k"), ("greedy_accuracy", "greedy_accuracy"))
+                      if f"eval/task/{name}/{key}" in scores}}
             for name in config.tasks}

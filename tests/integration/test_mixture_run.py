@@ -20,6 +20,8 @@ def test_a_mixture_trains_both_tasks_by_weight_and_reports_each(mix_run, tmp_pat
     assert summary["optimizer_steps"] == 3 and summary["trained_trajectories"] == 24
     assert set(summary["tasks"]) == {"sums", "game"}
     assert all({"initial_accuracy", "final_accuracy"} <= set(scores) for scores in summary["tasks"].values())
+    # eval.num_prompts=4 of each task's held-out prompts: 8 scored in all
+    assert [scores["eval_prompts"] for scores in summary["tasks"].values()] == [4, 4] and summary["eval_prompts"] == 8
     _, controller, _ = load_states(latest_checkpoint(run / "checkpoints"))
     trained = [prompt_id for prompt_id, _, status in controller["scheduler"]["ledger"]["entries"]
                if isinstance(status, int)]
