@@ -11,6 +11,7 @@ deviation 0, so its advantage is 0.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -99,26 +100,63 @@ verl) or every row once."""
 
 
 def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, token_counts: Tensor | None = None, *,
-                            whiten: str = "tokens") -> Tensor:
+                            whiten: str = "tokens", baseline: str = "batch", task_ids: Tensor | None = None) -> Tensor:
     """REINFORCE++ (Hu et al. 2025) without a reference-KL term: the reward whitened over the GLOBAL batch.
 
     With beta = 0 the return of every token of y_i is R_i. whiten="tokens" (default, as OpenRLHF and verl)
     normalises those per-token returns over the batch's loss tokens, so row i counts T_i = token_counts[i]
     times: mean m = sum T_i R_i / sum T_i, variance v = sum T_i (R_i - m)^2 / sum T_i (OpenRLHF's, no Bessel
     correction), A_i = (R_i - m) / sqrt(max(v, 1e-8)). whiten="rows" counts each row once (sample std + 1e-6):
-    long rows weigh no more than short ones. group_ids are unused.
+    long rows weigh no more than short ones. group_ids are unused. baseline="task" whitens each task's rows over
+    that task's alone (a mixture whose tasks' rewards differ in scale: each task's advantages then have mean 0
+    and variance 1 on their own, whatever the other tasks' rewards); one task gives the batch's.
     Example: rewards [1, 0], token_counts [3, 1]: m = 0.75, v = 0.1875, A = [0.577, -1.732].
     """
     rewards = _as_float("rewards", rewards)
     _groups(group_ids, rewards)
-    return _whiten(rewards, token_counts, whiten)
+    return _whiten_by(rewards, token_counts, whiten, baseline, task_ids)
 
 
 def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, token_counts: Tensor | None = None, *,
-                                     whiten: str = "tokens") -> Tensor:
-    """REINFORCE++-baseline: subtract each group's mean reward, then whiten over the GLOBAL batch (as above)."""
+                                     whiten: str = "tokens", baseline: str = "batch",
+                                     task_ids: Tensor | None = None) -> Tensor:
+    """REINFORCE++-baseline: subtract each group's mean reward, then whiten over the GLOBAL batch (as above), or
+    with baseline="task" over each task's rows (a group never spans tasks)."""
     centered = _group_centered(_as_float("rewards", rewards), group_ids, "reinforce++-baseline")
-    return _whiten(centered, token_counts, whiten)
+    return _whiten_by(centered, token_counts, whiten, baseline, task_ids)
+
+
+def _whiten_by(x: Tensor, token_counts: Tensor | None, over: str, baseline: str, task_ids: Tensor | None) -> Tensor:
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline={baseline!r} is not one of {BASELINES}")
+    if baseline == "batch" or task_ids is None:
+        return _whiten(x, token_counts, over)
+    if token_counts is None:  # rows need no counts; tokens without them fail in _whiten, saying so
+        return within_tasks(lambda values: _whiten(values, None, over), task_ids, x)
+    return within_tasks(lambda values, counts: _whiten(values, counts, over), task_ids, x, token_counts)
+
+
+def within_tasks(statistic: Callable[..., Tensor], task_ids: Tensor | None, *rows: Tensor) -> Tensor:
+    """statistic(*rows) computed on each task's rows alone, put back in row order.   (N,) ids, (N, ...) rows -> (N,)
+
+    A single task (or task_ids None) is statistic(*rows) itself, so a one-task run is exactly as without tasks.
+    Example: statistic = rewards - rewards.mean(), rewards [1, 0, 10, 20], task_ids [0, 0, 1, 1]
+    -> [0.5, -0.5, -5, 5] (the whole batch would give [-6.75, -7.75, 2.25, 12.25]).
+    """
+    if task_ids is None:
+        return statistic(*rows)
+    if task_ids.ndim != 1 or task_ids.is_floating_point() or any(r.shape[:1] != task_ids.shape for r in rows):
+        raise ValueError(f"integer task_ids {tuple(task_ids.shape)} and every row tensor "
+                         f"{[tuple(r.shape) for r in rows]} must share their first dimension N")
+    tasks = torch.unique(task_ids)
+    if tasks.numel() <= 1:
+        return statistic(*rows)
+    indices = [(task_ids == task).nonzero().squeeze(1) for task in tasks]
+    values = [statistic(*(r[index] for r in rows)) for index in indices]
+    out = values[0].new_empty(task_ids.shape + values[0].shape[1:])
+    for index, value in zip(indices, values):
+        out[index] = value
+    return out
 
 
 def _whiten(x: Tensor, token_counts: Tensor | None, over: str) -> Tensor:

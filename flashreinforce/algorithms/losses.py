@@ -90,10 +90,15 @@ class WhitenOptions:
     whiten: str = "tokens"
     """tokens: normalise over the batch's loss tokens (OpenRLHF, the authors' code, and verl);
     rows: over rows, each counted once."""
+    baseline: str = "batch"
+    """batch: whiten over the whole batch (the paper); task: over each task's rows alone (a mixture whose tasks'
+    rewards differ in scale); the same in a one-task run."""
 
     def __post_init__(self) -> None:
         if self.whiten not in WHITEN_OVER:
             raise ValueError(f"option whiten={self.whiten!r} is not one of {WHITEN_OVER}")
+        if self.baseline not in BASELINES:
+            raise ValueError(f"option baseline={self.baseline!r} is not one of {BASELINES}")
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,6 @@ one task's rewards decide which of another task's rows count as positive.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -28,29 +26,6 @@ def mean_token_entropy(entropies: Tensor, loss_mask: Tensor) -> Tensor:
     if bool((lengths == 0).any()):
         raise ValueError("every row needs at least one loss token to have a mean entropy")
     return torch.where(loss_mask, entropies.detach(), 0.0).sum(-1) / lengths
-
-
-def within_tasks(statistic: Callable[..., Tensor], task_ids: Tensor | None, *rows: Tensor) -> Tensor:
-    """statistic(*rows) computed on each task's rows alone, put back in row order.   (N,) ids, (N, ...) rows -> (N,)
-
-    A single task (or task_ids None) is statistic(*rows) itself, so a one-task run is exactly as without tasks.
-    Example: statistic = rewards - rewards.mean(), rewards [1, 0, 10, 20], task_ids [0, 0, 1, 1]
-    -> [0.5, -0.5, -5, 5] (the whole batch would give [-6.75, -7.75, 2.25, 12.25]).
-    """
-    if task_ids is None:
-        return statistic(*rows)
-    if task_ids.ndim != 1 or task_ids.is_floating_point() or any(r.shape[:1] != task_ids.shape for r in rows):
-        raise ValueError(f"integer task_ids {tuple(task_ids.shape)} and every row tensor "
-                         f"{[tuple(r.shape) for r in rows]} must share their first dimension N")
-    tasks = torch.unique(task_ids)
-    if tasks.numel() <= 1:
-        return statistic(*rows)
-    indices = [(task_ids == task).nonzero().squeeze(1) for task in tasks]
-    values = [statistic(*(r[index] for r in rows)) for index in indices]
-    out = values[0].new_empty(task_ids.shape + values[0].shape[1:])
-    for index, value in zip(indices, values):
-        out[index] = value
-    return out
 
 
 def wpsm_flags(

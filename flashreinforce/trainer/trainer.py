@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from flashreinforce.algorithms import LOSSES, GlobalNorm, LossInputs
-from flashreinforce.algorithms.advantages import single_row_tasks
 from flashreinforce.algorithms.dapo import overlong_penalty
-from flashreinforce.algorithms.wpsm import mean_token_entropy, within_tasks, wpsm_flags, wpsm_weights
+from flashreinforce.algorithms.advantages import single_row_tasks, within_tasks
+from flashreinforce.algorithms.wpsm import mean_token_entropy, wpsm_flags, wpsm_weights
 from flashreinforce.models.logprobs import first_marked, token_logprobs
 from flashreinforce.models.moe import RouteRecorder, RouteReplay, route_shape, set_mismatch
 from flashreinforce.models.numerics import Numerics

@@ -177,3 +177,44 @@ def test_the_baseline_is_an_option_of_the_flashreinforce_loss_and_validated():
     assert (advantage, objective) == ({"baseline": "task"}, {"delta": 1e-3})
     with pytest.raises(ValueError, match="option baseline='row' is not one of"):
         spec.split_options({"baseline": "row"}, "flashreinforce")
+
+
+# ---- REINFORCE++ in a mixture of tasks: whitening per task (algo.options.baseline=task) ----------------------
+
+@pytest.mark.parametrize("name", ["reinforce++", "reinforce++-baseline"])
+@pytest.mark.parametrize("whiten", ["tokens", "rows"])
+def test_reinforce_pp_task_baseline_whitens_each_task_alone_so_scales_do_not_leak(name, whiten):
+    from flashreinforce.algorithms import LOSSES
+
+    estimator = LOSSES[name].advantages
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.rand(12, generator=g, dtype=torch.float64).round()  # pass/fail rewards
+    groups, counts = torch.arange(12) // 2, torch.randint(1, 9, (12,), generator=g)
+    tasks = (torch.arange(12) >= 6).long()  # rows 0-5 task 0, rows 6-11 task 1; groups never span tasks
+    by_task = estimator(rewards, groups, counts, task_ids=tasks, whiten=whiten, baseline="task")
+    for t in (0, 1):  # each task alone gives its rows' advantages
+        rows = tasks == t
+        alone = estimator(rewards[rows], groups[rows], counts[rows], whiten=whiten)
+        torch.testing.assert_close(by_task[rows], alone, rtol=1e-12, atol=1e-12)
+    # task 1's rewards on another scale (x10, +5) change none of task 0's advantages, nor task 1's own (up to the
+    # 1e-6 added to a row-whitening std)
+    shifted = torch.where(tasks == 1, 10 * rewards + 5, rewards)
+    torch.testing.assert_close(estimator(shifted, groups, counts, task_ids=tasks, whiten=whiten, baseline="task"),
+                               by_task, rtol=1e-5, atol=1e-5)
+    # ... while whitening over the whole batch lets them move task 0's (the mixture's defect this option removes)
+    batch = estimator(rewards, groups, counts, task_ids=tasks, whiten=whiten)
+    moved = estimator(shifted, groups, counts, task_ids=tasks, whiten=whiten)
+    assert float((batch[:6] - moved[:6]).abs().max()) > 0.1
+    # one task: the same as the batch
+    one = torch.zeros(12, dtype=torch.long)
+    torch.testing.assert_close(estimator(rewards, groups, counts, task_ids=one, whiten=whiten, baseline="task"),
+                               batch, rtol=0, atol=0)
+
+
+def test_reinforce_pp_baseline_is_an_option_and_validated():
+    from flashreinforce.algorithms import LOSSES
+
+    spec = LOSSES["reinforce++"]
+    assert spec.advantage_defaults == {"whiten": "tokens", "baseline": "batch"}
+    with pytest.raises(ValueError, match="option baseline='group' is not one of"):
+        spec.split_options({"baseline": "group"}, "reinforce++")

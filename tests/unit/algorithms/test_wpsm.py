@@ -12,7 +12,7 @@ from flashreinforce.algorithms import (
     wpsm_flags,
     wpsm_weights,
 )
-from flashreinforce.algorithms.wpsm import within_tasks
+from flashreinforce.algorithms.advantages import within_tasks
 
 
 def test_mean_token_entropy_over_loss_tokens_only():
