@@ -124,20 +124,33 @@ def load_model(
     path: str | Path,
     *,
     dtype: torch.dtype | str = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """Load a causal LM saved with `save_pretrained` from a local directory (never the network); a folder with
-    our vision encoder beside the LM (models/vision.py) loads as the VisionLM of both."""
+    our vision encoder beside the LM (models/vision.py) loads as the VisionLM of both. `attn_implementation`
+    None: sdpa, or eager for a family without sdpa (Gemma 2, GPT-OSS)."""
     from flashreinforce.models.hf_vision import is_hf_vision_dir, load_hf_vision_lm
     from flashreinforce.models.vision import is_vision_dir, load_vision_lm
 
     path = check_model_dir(path)
     if is_hf_vision_dir(path):
-        return load_hf_vision_lm(path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation)
+        return load_hf_vision_lm(path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation or "sdpa")
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, local_files_only=True
     )
     return load_vision_lm(path, model) if is_vision_dir(path) else model
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Turn off a model's dropout in place: its nn.Dropout layers and the rate HF attention modules pass to
+    their kernel in training mode. RL needs one policy: the engine samples without dropout (eval mode), so
+    the trainer's recompute must use none either, or behavior and recomputed log-probs differ by noise
+    (GPT-2's configs ship 0.1 everywhere; most others 0)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def model_dir_problem(path: Path) -> tuple[Path, str] | None:

@@ -85,8 +85,7 @@ _REFUSED = {
     "qwen3_vl": f"Qwen3-VL {_MROPE}",
     "qwen3_vl_moe": f"Qwen3-VL-MoE {_MROPE}",
     "ernie4_5_vl_moe": f"ERNIE-4.5-VL {_MROPE}",
-    "gemma3": "Gemma3 attends bidirectionally among an image's tokens, which the engine's causal 4D mask overrides, "
-              "and uses sliding-window layers the engine does not run",
+    "gemma3": "Gemma3 attends bidirectionally among an image's tokens, which the engine's causal 4D mask overrides",
     "paligemma": "PaliGemma attends bidirectionally over its image-and-prompt prefix, which the engine's causal 4D "
                  "mask overrides",
 }

@@ -9,10 +9,12 @@ logits restricted to the recorded set, so the routers keep learning.
 Both context managers work with forward hooks on the router modules, so the model code is not patched
 and they hold for every forward inside the block (with or without gradient, under inference_mode).
 
-Supported routers are those whose forward returns `(logits, scores, indices)` with the semantics
-softmax over all experts in float32 -> top-k -> renormalise if `norm_topk_prob` -> cast to the logits'
-dtype: transformers' Qwen2-MoE and Qwen3-MoE (5.24). Other routers (Mixtral's keeps float32 scores,
-DeepSeek's uses grouped sigmoid scores) are refused rather than replayed with the wrong weights.
+A router is replayed where its module's forward returns `(logits, gate weights, indices)` and the gate
+weights of any chosen experts can be recomputed from the logits with the router's own operations
+(ROUTER_GATES): Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V2 and DeepSeek-V3 (sigmoid scores,
+grouped choice, shared experts beside the routed ones). A model that routes where no hook reaches (DBRX chooses its
+experts in a method of its MoE block) trains without replay; any other router is refused rather than
+replayed with the wrong weights.
 """
 
 from __future__ import annotations
@@ -26,16 +28,77 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
+from transformers.models.dbrx.modeling_dbrx import DbrxRouter
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-
-# Router classes whose forward is exactly softmax(fp32) -> topk -> optional renormalise -> cast.
-SUPPORTED_ROUTERS: tuple[type[nn.Module], ...] = (Qwen2MoeTopKRouter, Qwen3MoeTopKRouter)
 
 # Config fields that, when > 0, say a model has routed experts (Qwen/OLMoE, Mixtral, DeepSeek).
 MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 INT16_MAX = torch.iinfo(torch.int16).max
+
+GateWeights = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(router, logits (N, E), chosen experts (N, k)) -> gate weights (N, k): the router's own operations after its
+choice, so at the router's own indices the result is bitwise its gate weights, and gradients reach its weight."""
+
+
+def softmax_gates(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE, Qwen3-MoE, OLMoE: softmax over all experts in float32, renormalised over the k chosen if the
+    router does (norm_topk_prob), cast to the logits' dtype."""
+    scores = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)  # (N, k)
+    if router.norm_topk_prob:
+        scores = scores / scores.sum(dim=-1, keepdim=True)
+    return scores.to(logits.dtype)
+
+
+def mixtral_gates(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Mixtral: softmax in float32, always renormalised over the k chosen, kept in float32."""
+    scores = F.softmax(logits.float(), dim=-1).gather(-1, indices)  # (N, k)
+    return scores / scores.sum(dim=-1, keepdim=True)
+
+
+def deepseek_v2_gates(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V2: softmax of the float32 logits, scaled by routed_scaling_factor, not renormalised. Its group
+    limit only decides the choice: a chosen expert's weight is its own softmax probability either way."""
+    return logits.softmax(dim=-1, dtype=torch.float32).gather(-1, indices) * router.routed_scaling_factor
+
+
+def deepseek_v3_gates(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3: sigmoid scores (the correction bias and the group limit only decide the choice),
+    renormalised if norm_topk_prob (with the router's 1e-20), scaled by routed_scaling_factor."""
+    scores = logits.sigmoid().gather(1, indices)  # (N, k)
+    if router.norm_topk_prob:
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores * router.routed_scaling_factor
+
+
+def gpt_oss_gates(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS: softmax over the chosen experts' logits only, in the logits' dtype."""
+    return F.softmax(logits.gather(-1, indices), dim=1, dtype=logits.dtype)
+
+
+ROUTER_GATES: dict[type[nn.Module], GateWeights] = {
+    Qwen2MoeTopKRouter: softmax_gates,
+    Qwen3MoeTopKRouter: softmax_gates,
+    OlmoeTopKRouter: softmax_gates,
+    MixtralTopKRouter: mixtral_gates,
+    DeepseekV2TopkRouter: deepseek_v2_gates,
+    DeepseekV3TopkRouter: deepseek_v3_gates,
+    GptOssTopKRouter: gpt_oss_gates,
+}
+"""The routers recorded and replayed, each with how it weighs a given choice of experts."""
+SUPPORTED_ROUTERS: tuple[type[nn.Module], ...] = tuple(ROUTER_GATES)
+
+UNREACHABLE_ROUTING: dict[type[nn.Module], str] = {
+    DbrxRouter: "its router module returns logits only and DbrxFFN.route_tokens_to_experts, a method no forward "
+                "hook reaches, chooses the experts",
+}
+"""Routers of MoE families served and trained without replay, with why their routes cannot be reached."""
 
 
 def check_moe_arguments(
@@ -78,28 +141,36 @@ def init_zero_routers(model: nn.Module) -> None:
                 module.weight.normal_(mean=0.0, std=std)
 
 
-def moe_routers(model: nn.Module) -> list[nn.Module]:
-    """The model's router modules in layer order ([] for a dense model).
-
-    Raises ValueError for a model that is MoE by its config but whose routers are not supported, so a
-    caller asking for replay never silently trains with the model's own routes instead.
-    """
+def routing_problem(model: nn.Module) -> str | None:
+    """Why router record/replay cannot cover this model, or None (dense, or every router replayable)."""
     routers = [module for module in model.modules() if isinstance(module, SUPPORTED_ROUTERS)]
     config = getattr(model, "config", None)
     says_moe = any((getattr(config, field, 0) or 0) > 0 for field in MOE_CONFIG_FIELDS)
     foreign = [
-        type(module).__name__
-        for module in model.modules()
+        module for module in model.modules()
         if "router" in type(module).__name__.lower() and not isinstance(module, SUPPORTED_ROUTERS)
     ]
+    name = type(model).__name__
+    unreachable = [UNREACHABLE_ROUTING[type(module)] for module in foreign if type(module) in UNREACHABLE_ROUTING]
+    if unreachable:
+        return f"{name} cannot have its routes recorded or replayed: {unreachable[0]}"
     if foreign or (says_moe and not routers):
-        found = f" (routers found: {sorted(set(foreign))})" if foreign else ""
-        raise ValueError(
-            f"{type(model).__name__} is a mixture-of-experts model whose routers are not supported{found}: "
-            "router record/replay is not supported for it (supported routers: "
-            f"{', '.join(cls.__name__ for cls in SUPPORTED_ROUTERS)})"
-        )
-    return routers
+        found = f" (routers found: {sorted({type(module).__name__ for module in foreign})})" if foreign else ""
+        return (f"{name} is a mixture-of-experts model whose routers are not supported{found}: router record/replay "
+                f"is not supported for it (supported routers: {', '.join(cls.__name__ for cls in SUPPORTED_ROUTERS)})")
+    return None
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The model's router modules in layer order ([] for a dense model).
+
+    Raises ValueError (routing_problem) for a model that is MoE but whose routers are not replayable, so a
+    caller asking for replay never silently trains with the model's own routes instead.
+    """
+    problem = routing_problem(model)
+    if problem is not None:
+        raise ValueError(problem)
+    return [module for module in model.modules() if isinstance(module, SUPPORTED_ROUTERS)]
 
 
 def route_shape(model: nn.Module) -> tuple[int, int] | None:
@@ -121,18 +192,9 @@ def routers_or_raise(model: nn.Module, what: str) -> list[nn.Module]:
     return routers
 
 
-def replay_scores(logits: torch.Tensor, indices: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
-    """The gate weights of `indices` computed from live `logits` with the router's own operations.
-
-    softmax over all experts in float32, gather, renormalise over the k chosen if the router does, cast
-    to the logits' dtype: exactly what the router does after its topk, so at the router's own indices
-    (in topk's order) the result is bitwise the router's scores, and gradients reach the router weight.
-    """
-    probs = F.softmax(logits, dtype=torch.float, dim=-1)  # (N, E)
-    scores = probs.gather(-1, indices)  # (N, k)
-    if norm_topk_prob:
-        scores = scores / scores.sum(dim=-1, keepdim=True)
-    return scores.to(logits.dtype)
+def gate_weights(router: nn.Module) -> GateWeights:
+    """ROUTER_GATES' function for this router (by class, subclasses included)."""
+    return next(gates for cls, gates in ROUTER_GATES.items() if isinstance(router, cls))
 
 
 def set_mismatch(recorded: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -158,8 +220,8 @@ class RouteRecorder(_RouterHooks):
 
     `with RouteRecorder(model) as recorder: model(ids); routes = recorder.take()`. N is the number of
     token positions of that forward (its (B, T) flattened row-major, as the MoE block flattens its
-    input), L the MoE layers in order, k the experts per token, in the router's order (descending
-    probability). take() expects exactly one forward since the previous take and raises otherwise: a
+    input), L the MoE layers in order, k the experts per token, in the order the router's top-k returned
+    them (descending probability; DeepSeek's is unsorted). take() expects exactly one forward since the previous take and raises otherwise: a
     caller that runs several forwards (a decode loop) takes after each, and a silent concatenation
     could not tell forwards of different shapes apart. Gradient checkpointing re-runs the routers in
     backward, which counts as another forward. The routes stay on the model's device (int16: 2 bytes
@@ -239,7 +301,7 @@ class RouteReplay(_RouterHooks):
     """Replays recorded routes in every forward inside the block (R3): the experts used are the recorded ones.
 
     `with RouteReplay(model, routes): model(ids)` with routes (B, T, L, k) aligned with ids (B, T); -1
-    rows keep the router's own choice. The gate weights come from the live logits (replay_scores), so
+    rows keep the router's own choice. The gate weights come from the live logits (ROUTER_GATES), so
     replaying the router's own routes is bitwise a plain forward and router weights get gradients. Every
     forward inside must have input (B, T); several forwards (pi_old recompute, then the update) reuse
     the routes. disagreement() counts how often the recorded set differed from the router's own.
@@ -255,6 +317,7 @@ class RouteReplay(_RouterHooks):
         self.routes = check_routes(routes, num_layers, top_k, num_experts.pop())  # (B, T, L, k)
         self.flat = self.routes.reshape(-1, num_layers, top_k)  # (B*T, L, k), as the MoE block flattens
         self.per_layer: list[torch.Tensor] = []  # L x (B*T, k), each on its router's device
+        self.gates = [gate_weights(router) for router in self.routers]
         self.tallies: list[RouteTally] = []
         self.handles: list[RemovableHandle] = []
 
@@ -293,7 +356,7 @@ class RouteReplay(_RouterHooks):
             chosen = torch.where(has_route[:, None], recorded, own)  # (N, k)
             mismatched = (set_mismatch(chosen, own) & has_route).sum()
             self.tallies.append(RouteTally(mismatched=mismatched, replayed=has_route.sum()))
-            return logits, replay_scores(logits, chosen, module.norm_topk_prob), chosen
+            return logits, self.gates[layer](module, logits, chosen), chosen
 
         return hook
 

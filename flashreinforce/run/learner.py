@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from flashreinforce.config import RunConfig
+from flashreinforce.models.moe import routing_problem
 from flashreinforce.run.devices import resolve_device
 from flashreinforce.run.policy import Policy, side_numerics
 from flashreinforce.trainer.distributed import RankGroup, join_group
@@ -60,6 +61,7 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
     algo, trainer = config.algo, config.trainer
     device = resolve_device("trainer.device", trainer.device, rank=rank)
     check_fits_gpu(config, model, device)
+    check_router_replay(config, model)
     freeze_vision(config, model)
     return Trainer(
         model,
@@ -84,6 +86,15 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
         sharding=trainer.sharding,
         gradient_checkpointing=trainer.gradient_checkpointing,
     )
+
+
+def check_router_replay(config: RunConfig, model) -> None:
+    """trainer.router_replay on a mixture-of-experts model whose routes cannot be recorded or replayed (DBRX's,
+    models/moe.py) stops here, naming the setting, rather than training without the replay it asked for."""
+    problem = routing_problem(model) if config.trainer.router_replay else None
+    if problem is not None:
+        raise ValueError(f"trainer.router_replay=true, but {problem}: set trainer.router_replay=false to train it "
+                         "with the experts its own router picks in the trainer's forward")
 
 
 def freeze_vision(config: RunConfig, model) -> None:

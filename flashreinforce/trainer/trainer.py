@@ -21,6 +21,7 @@ from flashreinforce.algorithms import LOSSES, GlobalNorm, LossInputs
 from flashreinforce.algorithms.dapo import overlong_penalty
 from flashreinforce.algorithms.advantages import single_row_tasks, within_tasks
 from flashreinforce.algorithms.wpsm import mean_token_entropy, wpsm_flags, wpsm_weights
+from flashreinforce.models.causal_lm import disable_dropout
 from flashreinforce.models.logprobs import first_marked, token_logprobs
 from flashreinforce.models.moe import RouteRecorder, RouteReplay, route_shape, set_mismatch
 from flashreinforce.models.numerics import Numerics
@@ -126,6 +127,7 @@ class Trainer:
         self.compute_dtype = numerics.compute_dtype
         self.formats_weights = numerics.formats_weights
         model.to(self.device)  # before the adapters and the masters, which are built on the model's device
+        disable_dropout(model)  # before the adapters: trainer.lora.dropout is the adapters' own
         if gradient_checkpointing:
             enable_checkpointing(model, router_replay)
         self.lora: LoraAdapter | None = attach_lora(model, lora, numerics) if lora is not None else None

@@ -1,7 +1,9 @@
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from flashreinforce.models import build_model, load_model, resolve_dtype
+from flashreinforce.models.causal_lm import disable_dropout
 
 
 def test_build_model_is_a_seeded_qwen2_that_leaves_the_global_rng_alone():
@@ -65,3 +67,19 @@ def test_a_model_dir_with_a_damaged_file_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "qwen2",')
     with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
         load_model(tmp_path)
+
+
+def test_disable_dropout_turns_off_dropout_layers_and_attention_dropout():
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=16, n_embd=16, n_layer=1, n_head=2, n_positions=8))
+    llama = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+                                                          num_hidden_layers=1, num_attention_heads=2,
+                                                          attention_dropout=0.3))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for model in (gpt2, llama):
+        model.train()
+        with torch.no_grad():
+            assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout draws differ
+        disable_dropout(model)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, model(ids).logits)
+        assert model.training

@@ -1,9 +1,10 @@
 import pytest
 import torch
+from model_families import REPLAYED_FAMILIES, tiny_family_model
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
-    MixtralConfig,
+    PhimoeConfig,
     Qwen2Config,
     Qwen3MoeConfig,
 )
@@ -12,9 +13,10 @@ from flashreinforce.models import build_model
 from flashreinforce.models.moe import (
     RouteRecorder,
     RouteReplay,
+    gate_weights,
     moe_routers,
-    replay_scores,
     route_shape,
+    routing_problem,
 )
 from flashreinforce.rollout.engine import kv_cache_keyword
 
@@ -38,8 +40,17 @@ def tiny_qwen3_moe():
         return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-def token_ids(batch: int = 2, length: int = 6, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+def token_ids(batch: int = 2, length: int = 6, seed: int = 1, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def family_builder(name: str):
+    """A builder of the family's tiny model (tests/model_families.py), as the replay tests take one."""
+    return lambda: tiny_family_model(name, vocab_size=VOCAB)
+
+
+REPLAYED = [tiny_moe, tiny_qwen3_moe, *(family_builder(name) for name in REPLAYED_FAMILIES)]
+REPLAYED_IDS = ["build_model", "qwen3_moe_k3", *REPLAYED_FAMILIES]
 
 
 def random_routes(batch: int, length: int, layers: int, k: int, experts: int, seed: int = 2) -> torch.Tensor:
@@ -61,12 +72,17 @@ def hook_counts(model) -> list[int]:
     return [len(router._forward_hooks) for router in moe_routers(model)] + [len(model._forward_pre_hooks)]
 
 
+def experts_modules(model) -> list[torch.nn.Module]:
+    """Each MoE layer's experts module, in layer order (a dense layer has none)."""
+    return [module for module in model.modules() if type(module).__name__.endswith("Experts")]
+
+
 def experts_inputs(model) -> tuple[list[torch.Tensor], list]:
     """The indices each MoE layer's experts module receives, seen from the experts' side (not our hooks)."""
     seen: list[torch.Tensor] = []
     handles = [
-        layer.mlp.experts.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
-        for layer in model.model.layers
+        experts.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
+        for experts in experts_modules(model)
     ]
     return seen, handles
 
@@ -131,7 +147,7 @@ def test_bad_moe_arguments_name_the_argument():
             build_model(VOCAB, HIDDEN, 1, HEADS, **kwargs)
 
 
-def test_routers_and_route_shape_cover_qwen2_and_qwen3_moe_and_refuse_mixtral():
+def test_routers_and_route_shape_cover_the_replayed_families_and_refuse_the_rest():
     model = tiny_moe()
     assert moe_routers(model) == [layer.mlp.gate for layer in model.model.layers]
     assert route_shape(model) == (LAYERS, K)
@@ -139,13 +155,21 @@ def test_routers_and_route_shape_cover_qwen2_and_qwen3_moe_and_refuse_mixtral():
     assert [type(router).__name__ for router in moe_routers(qwen3)] == ["Qwen3MoeTopKRouter"] * LAYERS
     assert route_shape(qwen3) == (LAYERS, 3)
     assert all(router.weight.abs().min() > 0 for router in moe_routers(qwen3))
-    mixtral = AutoModelForCausalLM.from_config(MixtralConfig(
+    # DeepSeek's first layer is dense (first_k_dense_replace=1): 3 MoE layers of 4
+    shapes = {name: route_shape(family_builder(name)()) for name in REPLAYED_FAMILIES}
+    assert shapes == {name: (3 if name.startswith("deepseek") else 4, 2) for name in REPLAYED_FAMILIES}
+    dbrx = tiny_family_model("dbrx")
+    assert "DbrxFFN.route_tokens_to_experts" in routing_problem(dbrx)
+    phimoe = AutoModelForCausalLM.from_config(PhimoeConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=1, num_attention_heads=HEADS,
-        num_key_value_heads=HEADS, num_local_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=HEADS, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0,
     ))
     for call in (moe_routers, route_shape, RouteRecorder):
-        with pytest.raises(ValueError, match=r"MixtralForCausalLM .*replay is not supported"):
-            call(mixtral)
+        with pytest.raises(ValueError, match=r"PhimoeForCausalLM .*PhimoeTopKRouter.*replay is not supported"):
+            call(phimoe)
+        with pytest.raises(ValueError, match=r"DbrxForCausalLM cannot have its routes recorded or replayed"):
+            call(dbrx)
+    assert routing_problem(build_model(VOCAB, HIDDEN, 1, HEADS)) is None and routing_problem(model) is None
     with pytest.raises(ValueError, match="no routers"):
         RouteRecorder(build_model(VOCAB, HIDDEN, 1, HEADS))
 
@@ -175,7 +199,7 @@ def test_recorder_captures_the_top_k_of_the_router_probs_and_removes_its_hooks()
     assert hook_counts(model) == before
 
 
-@pytest.mark.parametrize("build", [tiny_moe, tiny_qwen3_moe], ids=["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("build", REPLAYED, ids=REPLAYED_IDS)
 def test_replay_makes_every_layer_use_the_recorded_experts(build):
     model = build()
     layers, k = route_shape(model)
@@ -196,7 +220,7 @@ def test_replay_makes_every_layer_use_the_recorded_experts(build):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("build", [tiny_moe, tiny_qwen3_moe], ids=["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("build", REPLAYED, ids=REPLAYED_IDS)
 def test_replaying_the_models_own_routes_is_bitwise_a_plain_forward(build, dtype):
     model = build().to(dtype)
     ids = token_ids(3, 7)
@@ -233,7 +257,46 @@ def test_router_weights_get_gradients_and_the_gates_are_the_restricted_softmax()
     for layer, logits in enumerate(router_logits):  # (N, E)
         chosen = logits.detach().gather(-1, flat[:, layer]).exp()  # (N, k): exp(s_e) for e in the recorded set
         torch.testing.assert_close(gates[layer], chosen / chosen.sum(-1, keepdim=True))
-        assert torch.equal(gates[layer], replay_scores(logits.detach(), flat[:, layer], True))
+        assert torch.equal(gates[layer], gate_weights(moe_routers(model)[layer])(
+            moe_routers(model)[layer], logits.detach(), flat[:, layer]))
+
+
+def textbook_gates(router, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Each family's gate weights of the chosen experts as its paper writes them, in float64."""
+    scores, kind = logits.double(), type(router).__name__
+    if kind.startswith("GptOss"):  # softmax over the chosen experts' logits
+        return scores.gather(-1, chosen).softmax(-1)
+    if kind.startswith("DeepseekV3"):  # sigmoid, renormalised over the chosen
+        gates = scores.sigmoid().gather(-1, chosen)
+    else:  # softmax over all experts, renormalised over the chosen where the router says so (Mixtral always)
+        gates = scores.softmax(-1).gather(-1, chosen)
+    if kind.startswith("Mixtral") or getattr(router, "norm_topk_prob", False):
+        gates = gates / gates.sum(-1, keepdim=True)
+    return gates * getattr(router, "routed_scaling_factor", 1.0)
+
+
+@pytest.mark.parametrize("name", REPLAYED_FAMILIES)
+def test_each_family_weighs_replayed_experts_as_its_router_does_and_its_router_learns(name):
+    model = family_builder(name)()
+    routers = moe_routers(model)
+    layers, k = route_shape(model)
+    ids = token_ids()
+    routes = random_routes(2, 6, layers, k, routers[0].num_experts, seed=4)
+    assert not torch.equal(routes.sort(-1).values, record(model, ids).long().sort(-1).values)
+    gates, router_logits = [], []
+    handles = [experts.register_forward_pre_hook(lambda m, args: gates.append(args[2].detach()))
+               for experts in experts_modules(model)]
+    handles += [router.register_forward_hook(lambda m, args, out: router_logits.append(out[0].detach()))
+                for router in routers]
+    with RouteReplay(model, routes):
+        model(ids, labels=ids).loss.backward()
+    for handle in handles:
+        handle.remove()
+    flat = routes.reshape(-1, layers, k)  # (N, L, k)
+    for layer, router in enumerate(routers):
+        expected = textbook_gates(router, router_logits[layer], flat[:, layer])
+        torch.testing.assert_close(gates[layer].double(), expected, rtol=1e-5, atol=1e-6)
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
 
 def test_minus_one_rows_use_the_live_choice_and_disagreement_counts_exactly():

@@ -40,3 +40,21 @@ def test_decode_of_chosen_slots_writes_them_and_reads_their_prefixes_only():
     assert k[:, 0, :, 0].tolist() == [[2, 9, 2], [0, 0, 9]]
     assert v[0, 0, 1, 0] == -9
     assert cache._keys[0][1, 0, :, 0].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]  # an unchosen slot is untouched
+
+
+def test_sliding_layers_read_from_the_window_start_and_full_layers_from_zero():
+    cache = SlotCache(num_slots=3, max_context=10, sliding_layers=frozenset({1}))
+    cache.plan_prefill(first_slot=0, num_rows=3, length=8)
+    keys = torch.arange(8.0)[None, None, :, None].expand(3, 1, 8, 3).clone()  # position p holds p
+    for layer in (0, 1):
+        cache.update(keys, -keys, layer_idx=layer)
+    cache.plan_decode(torch.tensor([8, 6]), kv_length=9, window_start=4)
+    full, _ = cache.update(*states(2, 1, 1, fill=9), layer_idx=0)
+    sliding, values = cache.update(*states(2, 1, 1, fill=9), layer_idx=1)
+    assert full.shape == (2, 1, 9, 3) and sliding.shape == (2, 1, 5, 3)
+    assert sliding[0, 0, :, 0].tolist() == [4, 5, 6, 7, 9] and sliding[1, 0, :, 0].tolist() == [4, 5, 9, 7, 0]
+    assert values[1, 0, 2, 0] == -9
+    assert cache._keys[1][0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 9, 0]  # every position is kept
+    cache.plan_decode(torch.tensor([7]), kv_length=8, slots=torch.tensor([2]), window_start=3)
+    chosen, _ = cache.update(*states(1, 1, 1, fill=5), layer_idx=1)
+    assert chosen[0, 0, :, 0].tolist() == [3, 4, 5, 6, 5]
