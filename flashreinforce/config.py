@@ -8,7 +8,10 @@ This module is configuration only: builders elsewhere turn it into flat argument
 
 from __future__ import annotations
 
+import difflib
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -828,6 +831,11 @@ class RunConfig(_Section):
                 continue
             if section == "tasks":
                 catalogue = tree.get("tasks") or {}
+                for name in given:
+                    if name not in catalogue and "data" not in (given[name] or {}):
+                        raise ValueError(f"stages[{index}] ({stage.name}): tasks.{name} is not one of the recipe's "
+                                         f"tasks ({', '.join(catalogue) or 'none'}){did_you_mean(name, catalogue)}; "
+                                         f"a new task needs its own data (tasks.{name}.data)")
                 tree["tasks"] = {name: _merge(catalogue.get(name, {}), override or {}) for name, override in given.items()}
             elif section == "algo" and given.get("loss", tree["algo"]["loss"]) != tree["algo"]["loss"]:
                 # Options belong to a loss (FlashREINFORCE's baseline means nothing to MISC): another loss starts
@@ -915,9 +923,19 @@ def resolve_recipe(recipe: str | None) -> Path:
         return path
     path = RECIPES_DIR / f"{recipe}.yaml"
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
-        raise ValueError(f"unknown recipe {recipe!r}; shipped recipes: {known} (or pass a path to a .yaml file)")
+        raise ValueError(f"unknown recipe {recipe!r}{did_you_mean(recipe, shipped_recipes())}; shipped recipes: "
+                         f"{', '.join(shipped_recipes())} (or pass a path to a .yaml file)")
     return path
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
+    """" (did you mean 'lr'?)" for a close match among `choices`, else ""."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -960,13 +978,40 @@ def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
 def format_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        field = ".".join(str(part) for part in item["loc"])
         message = item["msg"].removeprefix("Value error, ")  # a validator's own message says what is wrong
         if item["type"] == "extra_forbidden":
-            message = ("unknown field (check the spelling; `flashreinforce config "
-                       f"{item['loc'][0] if len(item['loc']) > 1 else ''}` lists the fields with their docs)")
-        lines.append(f"  {field}: {message}")
+            section, fields = _section_at(item["loc"][:-1])
+            message = (f"unknown field{did_you_mean(str(item['loc'][-1]), fields)}; "
+                       f"`{f'flashreinforce config {section}'.strip()}` lists the fields with their docs")
+        lines.append(f"  {field}: {message}" if field else f"  {message}")  # a whole-config check names its fields
     return "invalid config:\n" + "\n".join(lines)
+
+
+def _section_at(loc: tuple[Any, ...]) -> tuple[str, list[str]]:
+    """The config section at a validation error's location, as `flashreinforce config` names it (a task's or a
+    stage's fields under tasks, stages), and its field names ([] where the location is no section)."""
+    annotation: Any = RunConfig
+    names: list[str] = []
+    for part in loc:
+        annotation = _unwrap_optional(annotation)
+        if typing.get_origin(annotation) in (dict, list):
+            annotation = typing.get_args(annotation)[-1]  # `part` is a task name or a stage's index
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel) and part in annotation.model_fields:
+            annotation = annotation.model_fields[part].annotation
+            names.append(part)
+        else:
+            return ".".join(names), []
+    annotation = _unwrap_optional(annotation)
+    is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return ".".join(names[:1] if len(names) < len(loc) else names), list(annotation.model_fields) if is_section else []
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    """X for `X | None`, else the annotation as it is."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1
+    return args[0] if optional else annotation
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -1004,6 +1049,11 @@ def config_from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...
     """A parsed YAML tree (a recipe, or a run's saved config.yaml) + dotted overrides -> a validated RunConfig."""
     for text in overrides:
         keys, value = parse_override(text)
+        tasks = tree.get("tasks")
+        if len(keys) > 2 and keys[0] == "tasks" and isinstance(tasks, dict) and keys[1] not in tasks:
+            if hint := did_you_mean(keys[1], tasks):  # a misspelt task, not a new one given field by field
+                raise ValueError(f"override {text!r}: the recipe has no task {keys[1]!r}{hint}; its tasks: "
+                                 f"{', '.join(tasks)}")
         _set_dotted(tree, keys, value)
     try:
         return RunConfig.model_validate(tree)

@@ -11,6 +11,7 @@ loss is adding one entry. Usage:
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -67,10 +68,13 @@ class LossSpec:
     def split_options(self, options: Mapping[str, Any], loss: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """algo.options -> (advantage options, objective options), the former validated; an option neither
         part knows is an error."""
-        unknown = set(options) - set(self.defaults) - set(self.advantage_defaults)
+        known = sorted({*self.defaults, *self.advantage_defaults})
+        unknown = sorted(set(options) - set(known))
         if unknown:
-            raise ValueError(f"algo.options has unknown option(s) {sorted(unknown)} for loss {loss!r}; it accepts "
-                             f"{sorted({*self.defaults, *self.advantage_defaults})}")
+            close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+            hint = "".join(f" (did you mean {m[0]!r} for {name!r}?)" for name, m in close.items() if m)
+            raise ValueError(f"algo.options has unknown option(s) {unknown} for loss {loss!r}{hint}; it accepts "
+                             f"{known}")
         advantage = {k: v for k, v in options.items() if k in self.advantage_defaults}
         if self.advantage_options is not None:
             self.advantage_options(**advantage)

@@ -2,7 +2,7 @@
 
     flashreinforce train                                  # the default CPU recipe
     flashreinforce train arithmetic_grpo trainer.lr=1e-4  # a shipped recipe (or a .yaml path) + dotted overrides
-    flashreinforce train --dry-run scheduler.kind=urb     # print the resolved config and exit
+    flashreinforce train --dry-run scheduler.kind=urb     # print the resolved config, check it as a run would
     flashreinforce train --resume runs/arithmetic-...     # continue a run from its latest checkpoint
     flashreinforce eval runs/arithmetic-.../checkpoints/step_000120 --k 8
     flashreinforce config trainer                         # every field of a section: type, default, doc
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 
@@ -32,7 +33,7 @@ def _split_recipe(items: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from flashreinforce.config import config_from_tree, dump_config, load_config
+    from flashreinforce.config import config_from_tree, load_config
     from flashreinforce.run import run_training
     from flashreinforce.run.directory import read_run_config
 
@@ -46,7 +47,10 @@ def _train(args: argparse.Namespace) -> None:
     else:
         config = load_config(recipe, overrides)
     if args.dry_run:
-        print(dump_config(config), end="")
+        from flashreinforce.run.preflight import check_run, resolved_yaml
+
+        print(resolved_yaml(config), end="", flush=True)  # the config first: a failed check still shows it
+        print(f"dry run: {check_run(config)}; drop --dry-run to train", file=sys.stderr)
         return
     run_training(config, run_dir=args.resume or args.output, resume=args.resume is not None)
 
@@ -127,17 +131,32 @@ def _add_models_parser(commands: argparse._SubParsersAction) -> None:
     models.set_defaults(run=_models)
 
 
+def recipe_list() -> str:
+    """`train --help`'s list of the shipped recipes, each with the first line of its header comment."""
+    from flashreinforce.config import DEFAULT_RECIPE, RECIPES_DIR, shipped_recipes
+
+    lines = ["recipes (flashreinforce/recipes/*.yaml; or give a path to a .yaml):"]
+    for name in shipped_recipes():
+        header = (RECIPES_DIR / f"{name}.yaml").read_text().split("\n", 1)[0].removeprefix("#").strip()
+        label = f"{name} (default)" if name == DEFAULT_RECIPE else name
+        lines.append(f"  {label:<22}{textwrap.shorten(header, width=96, placeholder=' ...')}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashreinforce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="run RL (the default CPU recipe with no arguments)")
+    train = commands.add_parser("train", help="run RL (the default CPU recipe with no arguments)",
+                                epilog=recipe_list(), formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("items", nargs="*", metavar="RECIPE|field=value",
                        help="optional recipe name or .yaml path, then dotted overrides")
     train.add_argument("--output", type=Path, help="run directory (default runs/<recipe>-<timestamp>)")
     train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
-    train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--dry-run", action="store_true",
+                       help="print the resolved config, make the run's checks (parts, data, verifiers, context) "
+                            "for every stage, and exit without loading a model or training")
     train.add_argument("--deterministic", action="store_true",
                        help="lockstep mode: bitwise reproducible, also across kill and resume")
     train.set_defaults(run=_train)

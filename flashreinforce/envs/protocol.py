@@ -13,6 +13,7 @@ observations and `info`. `env.kind` names a built-in (ENV_KINDS) or user code, `
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import io
@@ -99,7 +100,9 @@ def resolve_env_class(spec: EnvSpec) -> type:
     """The class `spec.kind` names; errors say what to write instead."""
     target = ENV_KINDS.get(spec.kind)
     if target is None and not is_user_env(spec.kind):
-        raise ValueError(f"env.kind={spec.kind!r} is not a known environment ({', '.join(['math', *ENV_KINDS])}) "
+        close = difflib.get_close_matches(spec.kind, ["math", *ENV_KINDS], n=1)
+        raise ValueError(f"env.kind={spec.kind!r} is not a known environment"
+                         f"{f' (did you mean {close[0]!r}?)' if close else ''} ({', '.join(['math', *ENV_KINDS])}) "
                          "nor user code; write env.kind=path/to/my_env.py:MyEnv")
     if target is not None:
         module_name, _, class_name = target.partition(":")

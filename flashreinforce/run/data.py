@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from flashreinforce.config import ReasoningGymConfig, RunConfig
+from flashreinforce.config import RECIPES_DIR, ReasoningGymConfig, RunConfig
 from flashreinforce.data.gsm8k import gsm8k_prompts
 from flashreinforce.data.loaders import load_prompts
 from flashreinforce.data.reasoning_gym import make_reasoning_gym_splits
@@ -53,6 +54,12 @@ def load_task_data(config: RunConfig) -> Data:
     if config.data.kind in ("reasoning_gym", "gsm8k"):
         train, held_out = generated_splits(config)
         return Data(train=train, eval=held_out, skipped_rows=0)
+    for split, path in (("train", config.data.train), ("eval", config.data.eval)):
+        if not Path(path).exists():
+            recipe = RECIPES_DIR / f"{config.name}.yaml"
+            origin = f"; the {config.name} recipe's header ({recipe}) says what it holds and where it comes from" \
+                if recipe.is_file() else ""
+            raise ValueError(f"data.{split}={path} does not exist (relative paths start at {Path.cwd()}){origin}")
     train = load_prompts(config.data.train, on_bad_row=config.data.on_bad_row, max_pixels=config.data.max_pixels)
     held_out = load_prompts(config.data.eval, on_bad_row=config.data.on_bad_row, max_pixels=config.data.max_pixels)
     return Data(train=train.prompts, eval=held_out.prompts, skipped_rows=len(train.skipped) + len(held_out.skipped))
