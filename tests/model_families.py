@@ -13,10 +13,10 @@ from flashreinforce.models.moe import init_zero_routers
 
 VOCAB = 64
 WINDOW = 5
-_BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=128)
-_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-            n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=16, n_group=2, topk_group=1)
+_BASE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 128}
+_MLA = {"num_key_value_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 16, "n_group": 2, "topk_group": 1}
 _CONFIGS = {
     "gpt2": lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128),
     "llama": lambda: tf.LlamaConfig(**_BASE),

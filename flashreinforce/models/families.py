@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch import nn
+from transformers import PreTrainedModel
 
 Window = Literal["none", "model", "layer_types"]
 
@@ -50,9 +51,9 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("none"),
     "dbrx": Family("none"),
     "gpt_oss": Family("layer_types"),
-    # the language models of the vision-language families (models/hf_vision.py)
-    "qwen2_vl_text": Family("none"),
-    "qwen2_5_vl_text": Family("none"),
+    # the language models of the vision-language families (models/hf_vision.py; a window there is refused)
+    "qwen2_vl_text": Family("layer_types"),
+    "qwen2_5_vl_text": Family("layer_types"),
 }
 """model_type -> Family, for every family the engine is tested to serve exactly."""
 
@@ -90,6 +91,9 @@ def attention_windows(config: Any) -> Windows:
     """Which layers of this config attend within a sliding window, and how wide it is (HF's rule: a query at
     index q sees keys at k with q - window < k <= q)."""
     family = engine_family(config)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{config.model_type} with use_bidirectional_attention attends both ways (an embedding "
+                         "model); the engine generates with causal attention")
     window = getattr(config, "sliding_window", None)
     layers = range(config.num_hidden_layers)
     if family.window == "model" and window is not None:
@@ -106,13 +110,13 @@ def attention_windows(config: Any) -> Windows:
     return Windows(None, frozenset(), per_layer_type=False)
 
 
-# Attention implementations that compute softmax attention as sdpa and eager do but cannot take the engine's
-# per-request masks (flash kernels read only lengths, flex needs block masks, paged ones a paged cache): the
-# engine runs its copy of the model with the masked equivalent instead. None: sdpa where the family has it.
+# transformers' attention implementations that compute softmax attention as sdpa and eager do but cannot take
+# the engine's per-request masks (flash kernels read only lengths, flex needs block masks, paged ones a paged
+# cache): the engine runs its copy of the model with the masked equivalent instead. None: sdpa where the family
+# has it, else eager.
 _MASKED_EQUIVALENT: dict[str, str | None] = {
     "sdpa": "sdpa",
     "eager": "eager",
-    "paged|sdpa": "sdpa",
     "paged|eager": "eager",
     "flash_attention_2": None,
     "flash_attention_3": None,
@@ -129,10 +133,11 @@ def engine_attention(model: nn.Module, config: Any) -> str:
     if requested not in _MASKED_EQUIVALENT:
         raise ValueError(f"attention implementation {requested!r} is not one the local engine can mask per request: "
                          "load the model with attn_implementation='sdpa' (or 'eager'), or leave it unset")
-    target = _MASKED_EQUIVALENT[requested] or ("sdpa" if getattr(model, "_supports_sdpa", False) else "eager")
-    if target != requested:
-        if not hasattr(model, "set_attn_implementation"):
-            raise ValueError(f"attention implementation {requested!r} cannot be switched on "
-                             f"{type(model).__name__}: load it with attn_implementation='sdpa' (or 'eager')")
-        model.set_attn_implementation(target)
+    if requested in ("sdpa", "eager"):
+        return requested
+    if not isinstance(model, PreTrainedModel):  # a wrapper (a vision-language model) cannot switch its LM's
+        raise TypeError(f"attention implementation {requested!r} cannot be switched on {type(model).__name__}: "
+                        "load it with attn_implementation='sdpa' (or 'eager')")
+    target = _MASKED_EQUIVALENT[requested] or ("sdpa" if model._supports_sdpa else "eager")
+    model.set_attn_implementation(target)
     return target

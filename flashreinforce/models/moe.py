@@ -221,10 +221,10 @@ class RouteRecorder(_RouterHooks):
     `with RouteRecorder(model) as recorder: model(ids); routes = recorder.take()`. N is the number of
     token positions of that forward (its (B, T) flattened row-major, as the MoE block flattens its
     input), L the MoE layers in order, k the experts per token, in the order the router's top-k returned
-    them (descending probability; DeepSeek's is unsorted). take() expects exactly one forward since the previous take and raises otherwise: a
-    caller that runs several forwards (a decode loop) takes after each, and a silent concatenation
-    could not tell forwards of different shapes apart. Gradient checkpointing re-runs the routers in
-    backward, which counts as another forward. The routes stay on the model's device (int16: 2 bytes
+    them (descending probability; DeepSeek's is unsorted). take() expects exactly one forward since the
+    previous take and raises otherwise: a caller that runs several forwards (a decode loop) takes after
+    each, and a silent concatenation could not tell forwards of different shapes apart. Gradient
+    checkpointing re-runs the routers in backward, which counts as another forward. The routes stay on the model's device (int16: 2 bytes
     per entry; num_experts must fit). Inside a RouteReplay entered first, it records the replayed routes.
     """
 

@@ -126,6 +126,15 @@ def append_forced_tokens(generation: Generation, token_ids: Sequence[int]) -> Ge
     )
 
 
+def expand_rows(
+    masks: torch.Tensor | dict[str, torch.Tensor], rows: int
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """One row's attention mask (1, 1, q, L), or one per layer type, as views for `rows` rows."""
+    if isinstance(masks, torch.Tensor):
+        return masks.expand(rows, -1, -1, -1)
+    return {name: mask.expand(rows, -1, -1, -1) for name, mask in masks.items()}
+
+
 def length_split(positions: Sequence[int], min_saving: int) -> tuple[list[int], list[int]] | None:
     """Rows to decode in two forwards, long and short, when that saves attention reads; else None.
 
@@ -563,12 +572,12 @@ class Engine:
         rows = [[*r.prompt_ids, *r.tokens][:-1] for r in requests]
         input_ids = torch.tensor([row + [self.pad_token_id] * (L - len(row)) for row in rows], device=self._device)
         # Right padding under a causal mask: real tokens never see the padding after them.
-        queries = torch.arange(L, device=self._device)[None].expand(len(requests), L)  # (m, L)
+        masks = self._masks(torch.arange(L, device=self._device)[None], kv_start=0, kv_length=L)  # one row's
         self._cache.plan_prefill(first, len(requests), L)
         images = [image for r in requests for image in r.images]  # in the order of their placeholders
         self.model(
             input_ids=input_ids,  # (m, L)
-            attention_mask=self._masks(queries, kv_start=0, kv_length=L),
+            attention_mask=expand_rows(masks, len(requests)),  # (m, 1, L, L) views
             position_ids=self._prefill_positions(requests, input_ids, [len(row) for row in rows]),
             **{self._cache_kwarg: self._cache},
             use_cache=True,

@@ -125,6 +125,8 @@ def test_windows_follow_the_family():
     assert attention_windows(family_config("mistral", sliding_window=None)).window is None
     # OLMoE's config may carry a window its forward never applies: neither does the engine.
     assert attention_windows(family_config("olmoe", sliding_window=WINDOW)).window is None
+    with pytest.raises(ValueError, match="gemma3_text with use_bidirectional_attention"):
+        attention_windows(family_config("gemma3_text", use_bidirectional_attention=True))
     chunked = family_config("qwen2")
     chunked.layer_types = ["full_attention", "chunked_attention"] * 2
     with pytest.raises(ValueError, match=r"qwen2: layer_types \['chunked_attention'\]"):
@@ -151,21 +153,28 @@ def test_a_sliding_window_inside_a_model_that_reads_images_is_refused():
         engine_for(vision)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
-def test_flex_attention_is_run_with_the_families_masked_attention(name):
-    """flex_attention computes the same attention but cannot take the engine's per-request masks: the engine runs
-    its copy with sdpa (eager for Gemma 2, which has no sdpa), and its log-probs are that forward's."""
-    model = tf.AutoModelForCausalLM.from_config(family_config(name), attn_implementation="flex_attention")
+@pytest.mark.parametrize(("name", "implementation", "expected"), [
+    ("llama", "flex_attention", "sdpa"), ("gemma2", "flex_attention", "eager"), ("llama", "paged|eager", "eager")])
+def test_flex_and_paged_attention_run_with_the_families_masked_attention(name, implementation, expected):
+    """flex_attention and paged attention compute the same attention but cannot take the engine's per-request
+    masks: the engine runs its copy with sdpa (eager for Gemma 2, which has no sdpa; eager for paged eager), and
+    its log-probs are that forward's."""
+    model = tf.AutoModelForCausalLM.from_config(family_config(name), attn_implementation=implementation)
     engine = engine_for(model)
-    expected = "eager" if name == "gemma2" else "sdpa"
     assert engine.model.config._attn_implementation == expected
     submit_all(engine)
     done = []
     while engine.has_work:
         done += engine.step()
-    reference = tiny_family_model(name)
+    reference = tf.AutoModelForCausalLM.from_config(family_config(name), attn_implementation=expected)
     reference.load_state_dict(model.state_dict())
-    assert reference.config._attn_implementation == expected and gap(reference, done) <= 1e-5
+    assert gap(reference, done) <= 1e-5
+
+
+def test_flex_attention_inside_a_model_that_reads_images_is_refused_naming_what_to_set():
+    language_model = tf.AutoModelForCausalLM.from_config(family_config("llama"), attn_implementation="flex_attention")
+    with pytest.raises(TypeError, match=r"'flex_attention' cannot be switched on VisionLM: .*'sdpa'"):
+        engine_for(build_vision_lm(language_model, VisionConfig(image_token_id=VOCAB - 1)))
 
 
 def test_an_attention_implementation_the_engine_cannot_mask_is_refused_naming_what_to_set():
