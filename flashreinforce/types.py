@@ -229,6 +229,15 @@ class Verdict:
     seconds: float = 0.0
     parts: tuple[tuple[str, float], ...] = ()
     """A combined verifier's (name, reward) per part (verifiers/registry.py sum_verifier); () otherwise."""
+    signs: tuple[str, ...] = ()
+    """What the hacking watch counts, seen while scoring whatever the reward (the code verifier: exited_early,
+    base_exception, not_plain, unverified_asserts); metrics/groups.py reports their share per step and task."""
+
+
+HACKING_SIGNS = ("exited_early", "base_exception", "not_plain", "unverified_asserts")
+"""The signs the code verifier puts in Verdict.signs: the program exited (or killed itself or its harness) before
+a test ended; a BaseException that is not an error (KeyboardInterrupt, a class of its own) ended one; a call returned
+a value that is not plain data; a test outside the forms the verifier judges ran, trusting the program."""
 
 
 NO_ANSWER = Verdict(reward=0.0, passed=False, reason="no_answer")

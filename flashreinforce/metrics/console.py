@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from flashreinforce.types import HACKING_SIGNS
+
 
 class TrainingProgress:
     """Step, reward, held-out accuracy, lag and tokens/s of the RL loop."""
@@ -42,7 +44,7 @@ class TrainingProgress:
             f"reward {metrics.get('reward/mean', float('nan')):.3f}{worst_task(metrics)}  "
             f"held-out {heldout if heldout is not None else float('nan'):.1f}%  "
             f"lag {metrics.get('lag/mean', 0.0):.2f}/{metrics.get('lag/max', 0.0):.0f}  "
-            f"{metrics.get('throughput/tokens_per_second', 0.0):,.0f} tok/s"
+            f"{metrics.get('throughput/tokens_per_second', 0.0):,.0f} tok/s{hacking(metrics)}"
         )
         self._progress.update(self._task, completed=version, info=info)
         if not self.live and (version % 10 == 0 or version == self.total):
@@ -57,6 +59,22 @@ def worst_task(metrics: dict[str, float]) -> str:
         return ""
     task = min(rewards, key=rewards.get)
     return f" (worst: {task} {rewards[task]:.3f})"
+
+
+def hacking(metrics: dict[str, float]) -> str:
+    """"  hacking signs 25% (rewarded 0%)" for a step whose rows carry hacking-watch signs (metrics/groups.py);
+    "" for one without."""
+    if "hacking/any" not in metrics:
+        return ""
+    return f"  hacking signs {metrics['hacking/any']:.0%} (rewarded {metrics['hacking/rewarded/any']:.0%})"
+
+
+def watch_summary(verifier: dict[str, float]) -> str | None:
+    """"exited_early 12, not_plain 3 of 96 scored" from the verifier pool's counters; None when it saw no sign."""
+    seen = {sign: int(verifier[sign]) for sign in HACKING_SIGNS if verifier.get(sign)}
+    if not seen:
+        return None
+    return ", ".join(f"{sign} {count}" for sign, count in seen.items()) + f" of {int(verifier.get('calls', 0))} scored"
 
 
 def before_after(scores: dict[str, Any]) -> str:
@@ -134,6 +152,9 @@ class Reporter:
             ("wall clock", f"{summary['wall_seconds']:.0f} s"),
             ("run directory", summary["run_dir"]),
         ]
+        watch = watch_summary(summary.get("verifier", {}))
+        if watch is not None:
+            rows.append(("hacking watch (rows)", watch))
         for name, value in rows:
             table.add_row(name, value)
         self.console.print(table)

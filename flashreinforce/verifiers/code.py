@@ -3,15 +3,22 @@
 The program is the last complete fenced code block (```python, ```py or a bare ```) of what follows the last
 `</think>` (a `<think>` that never closes has no program). The row's ground truth is a JSON string, one of:
 
-    ["assert add(1, 2) == 3", ...]                          assert tests (MBPP's test_list): Python run after
-                                                            the program; a test passes when it raises nothing
+    ["assert add(1, 2) == 3", ...]                          assert tests (MBPP's test_list; a HumanEval check
+                                                            function called on the entry point)
     [{"input": "1 2\\n", "output": "3\\n"}, ...]              stdin/stdout tests: the program reads the input
     {"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}     the same, as APPS / TACO's input_output
 
-An output matches when both agree line by line, each line's trailing whitespace and the trailing blank lines
-ignored. Reward: the fraction of tests passed, or 1/0 with all_pass; the reason names the first failure
-("failed: test 3: AssertionError", "failed: test 2: timeout", "failed: test 1: wrong output", "failed: program:
-SyntaxError: ... (line 4)").
+An assert test of the common forms is judged here, not in the program (code_asserts.py): the program's process
+evaluates only the test's calls and sends their values back as plain data; the expected values and the comparison
+never enter the sandbox, so nothing the program does in its process (objects equal to anything, patched builtins,
+forged reports, reading its memory) can make a test pass. A test outside those forms runs in the program's process
+as written and trusts it: the Verdict carries the sign `unverified_asserts`, and `unverified_asserts: refuse`
+refuses such rows. A stdin/stdout test's output is compared here, line by line, each line's trailing whitespace
+and the trailing blank lines ignored. Reward: the fraction of tests passed, or 1/0 with all_pass; the reason names
+the first failure ("failed: test 3: AssertionError", "failed: test 2: timeout", "failed: test 1: wrong output",
+"failed: program: SyntaxError: ... (line 4)"). Verdict.signs names what the hacking watch counts: the program
+exited early (exited_early), raised a BaseException that is not an error (base_exception), returned a value that
+is not plain data (not_plain), or ran a test outside the judged forms (unverified_asserts).
 
 One sandbox call per response, in one warm sandbox per process (flashreinforce.sandbox, as the python_tool
 environment uses it). Inside it, code_harness.py runs the program and then its assert tests one after another
@@ -19,10 +26,7 @@ in one process, or each stdin/stdout test in a process of its own, each test wit
 deadline, and reports per test: a test that hangs or crashes costs only itself (the tests after it go on in
 a fresh process). A call that ends early (the program killed its harness, or the call went over the memory
 limit) is resumed from the next test in a fresh call. All calls of one response share `time_budget_s`, which
-should stay under the pool's verifier.timeout_s. Expected outputs never enter the sandbox: a program cannot
-read them to pass. Assert tests run in the program's own process, so a program written to defeat them (one
-that writes passes on its own report pipe) could pass them: the sandbox contains what such a program does,
-not what it claims.
+should stay under the pool's verifier.timeout_s.
 """
 
 from __future__ import annotations
@@ -46,12 +50,15 @@ from flashreinforce.sandbox import IsolationError, Sandbox, SandboxLimits
 from flashreinforce.sandbox.records import HARD_OUTPUT_BYTES
 from flashreinforce.types import Prompt, Verdict
 from flashreinforce.verifiers import code_harness
+from flashreinforce.verifiers.code_asserts import JudgedTest, asserts_nothing, judge, judged_test, outcomes_of, signs
 from flashreinforce.verifiers.registry import RewardFn
 from flashreinforce.verifiers.text import final_part
 
 FIX = ('give a JSON list of assert statements (["assert f(1) == 2"]), of stdin/stdout pairs '
        '([{"input": "1\\n", "output": "2\\n"}]), or {"inputs": [...], "outputs": [...]} (docs/verifiers.md#code)')
 PYTHON_TAGS = frozenset({"", "python", "py", "python3", "py3"})
+UNVERIFIED = ("run", "refuse")
+"""unverified_asserts: a test outside the judged forms runs in the program's process, or the row is refused."""
 MAX_OUTPUT_BYTES = 512 << 10
 """The most output one test may keep: its frame (base64) must fit the sandbox's output cap with room to spare."""
 WALL_SLACK_S = 0.5
@@ -71,6 +78,12 @@ class CodeTests:
     kind: str  # "asserts" or "io"
     tests: tuple[str, ...]
     expected: tuple[str, ...] = ()
+    judged: tuple[JudgedTest | None, ...] = ()
+    """Assert tests: each one split for the verifier to judge, None where it runs as written (unverified)."""
+
+    def unverified(self) -> list[int]:
+        """The assert tests (from 1) outside the judged forms."""
+        return [index + 1 for index, test in enumerate(self.judged) if test is None]
 
 
 @dataclass(frozen=True)
@@ -82,13 +95,21 @@ class TestResult:
     """A stdin/stdout test's output as the program wrote it (decoded as UTF-8, errors replaced)."""
     program: bool = False
     """The program itself failed (it does not compile, or an assert test's program raised or exited)."""
+    signs: frozenset[str] = frozenset()
+    """What the hacking watch counts (module docstring), whether or not the test passed."""
 
 
 # ---- the ground truth ---------------------------------------------------------------------------------------
 
-def check_ground_truth(text: str) -> None:
-    """Raise ValueError naming the problem and the fix when `text` is not a usable code ground truth."""
-    parse_ground_truth(text)
+def check_ground_truth(text: str, *, unverified_asserts: str = "run") -> None:
+    """Raise ValueError naming the problem and the fix when `text` is not a usable code ground truth (with
+    unverified_asserts="refuse", also when an assert test is outside the forms the verifier judges)."""
+    tests = parse_ground_truth(text)
+    if unverified_asserts == "refuse" and tests.unverified():
+        raise ValueError(f"code: tests {tests.unverified()} are not in a form the verifier judges outside the program "
+                         "(assert CALL == EXPECTED, assert CALL, math.isclose(CALL, X), a HumanEval check "
+                         "function of such asserts: docs/verifiers.md#what-the-verifier-judges); rewrite them, or "
+                         "let them run trusting the program with unverified_asserts: run")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -107,7 +128,7 @@ def parse_ground_truth(text: str) -> CodeTests:
     if all(isinstance(test, str) for test in value):
         for index, test in enumerate(value):
             _check_assert(index, test)
-        return CodeTests("asserts", tuple(value))
+        return CodeTests("asserts", tuple(value), judged=tuple(judged_test(test) for test in value))
     if all(isinstance(test, Mapping) for test in value):
         for index, test in enumerate(value):
             if set(test) != {"input", "output"} or not all(isinstance(test[k], str) for k in ("input", "output")):
@@ -149,6 +170,10 @@ def _check_assert(index: int, test: str) -> None:
         compile(test, f"<test {index + 1}>", "exec")  # the dataset's own text, not the model's
     except (SyntaxError, ValueError) as error:
         raise ValueError(f"code: test {index + 1} is not valid Python ({error}): {test[:120]!r}") from None
+    defined = asserts_nothing(test)
+    if defined:
+        raise ValueError(f"code: test {index + 1} defines {', '.join(defined)} but never calls it, so it asserts "
+                         f"nothing and every program would pass; call it (HumanEval: append \"check(ENTRY_POINT)\")")
 
 
 # ---- the program ----------------------------------------------------------------------------------------------
@@ -228,7 +253,7 @@ def run_tests(sandbox: Sandbox, program: str, tests: CodeTests, settings: RunSet
         left = settings.time_budget_s - (time.monotonic() - start)
         if left <= 0:
             break
-        payload = {"mode": tests.kind, "program": program, "tests": list(tests.tests), "first": first,
+        payload = {"mode": tests.kind, "program": program, "tests": _sent_tests(tests), "first": first,
                    "test_s": settings.test_timeout_s, "cpu_s": math.ceil(settings.test_timeout_s),
                    "budget_s": left, "output_bytes": settings.output_bytes,
                    "frame_room": sandbox.limits.output_bytes - 4096}
@@ -238,6 +263,15 @@ def run_tests(sandbox: Sandbox, program: str, tests: CodeTests, settings: RunSet
             break
     unrun = TestResult(False, f"not run (the time budget of {settings.time_budget_s:g} s ran out)")
     return [unrun if result is None else result for result in results]
+
+
+def _sent_tests(tests: CodeTests) -> list:
+    """What the sandbox gets of each test: a stdin text; a judged assert test's imports and calls (never its
+    expected values, nor its text); the text of an assert test outside the judged forms."""
+    if tests.kind == "io":
+        return list(tests.tests)
+    return [{"source": text} if judged is None else {"setup": list(judged.setup), "calls": list(judged.calls)}
+            for text, judged in zip(tests.tests, tests.judged)]
 
 
 def _run_call(sandbox: Sandbox, code: str, left: float):
@@ -265,7 +299,8 @@ def _take_frames(call, tests: CodeTests, results: list, first: int, settings: Ru
                 raise RuntimeError(f"code: the test harness sent a frame for no such test: {frame}")
             results[frame["test"]] = _judge(frame, tests, settings)
         elif "program" in frame:
-            failed = TestResult(False, _why(frame["program"], settings, program=True), program=True)
+            failed = TestResult(False, _why(frame["program"], settings, program=True), program=True,
+                                signs=_ending_signs(frame["program"]))
             results[first:] = [failed if r is None else r for r in results[first:]]
             return None
         elif "budget" in frame:
@@ -281,19 +316,41 @@ def _take_frames(call, tests: CodeTests, results: list, first: int, settings: Ru
     # The call ended during this test: the program killed its harness, or the call went over its limits.
     how = "timeout" if call.timed_out else "out of memory" if call.over_memory else \
         f"killed by {call.killed_by}" if call.killed_by else f"exit code {call.exit_code}"
-    results[unfinished] = TestResult(False, f"the call ended ({how})")
+    # Only the program could end its harness by a signal or an exit: it left before its test did.
+    left = frozenset() if call.timed_out or call.over_memory else frozenset({"exited_early"})
+    results[unfinished] = TestResult(False, f"the call ended ({how})", signs=left)
     return unfinished + 1
 
 
 def _judge(frame: dict, tests: CodeTests, settings: RunSettings) -> TestResult:
-    output = None
-    if tests.kind == "io":
-        output = binascii.a2b_base64(frame.get("output", "")).decode("utf-8", errors="replace")
+    if tests.kind == "asserts":
+        return _judge_assert(frame, tests.judged[frame["test"]], settings)
+    output = binascii.a2b_base64(frame.get("output", "")).decode("utf-8", errors="replace")
     if frame["status"] != "ok":
-        return TestResult(False, _why(frame, settings), output)
-    if tests.kind == "io" and _lines(output) != _lines(tests.expected[frame["test"]]):
+        return TestResult(False, _why(frame, settings), output, signs=_ending_signs(frame))
+    if _lines(output) != _lines(tests.expected[frame["test"]]):
         return TestResult(False, "wrong output", output)
     return TestResult(True, "", output)
+
+
+def _judge_assert(frame: dict, judged: JudgedTest | None, settings: RunSettings) -> TestResult:
+    """A judged test passes only on its calls' values, compared here; one outside the forms on the program's word."""
+    trusted = frozenset() if judged is not None else frozenset({"unverified_asserts"})
+    if frame["status"] != "ok":
+        return TestResult(False, _why(frame, settings), signs=_ending_signs(frame) | trusted)
+    if judged is None:
+        return TestResult(True, "", signs=trusted)
+    outcomes = outcomes_of(frame.get("values"), len(judged.calls))
+    passed, why = judge(judged, outcomes)
+    return TestResult(passed, why, signs=signs(outcomes))
+
+
+def _ending_signs(frame: dict) -> frozenset[str]:
+    """The hacking watch's signs of how a test or the program ended: it exited (or killed itself), or a
+    BaseException that is not an error ended it."""
+    if frame["status"] in ("exit", "killed"):
+        return frozenset({"exited_early"})
+    return frozenset({"base_exception"}) if frame.get("base") is True else frozenset()
 
 
 def _lines(text: str) -> list[str]:
@@ -318,16 +375,17 @@ def _why(frame: dict, settings: RunSettings, *, program: bool = False) -> str:
 def verdict_of(results: Sequence[TestResult], all_pass: bool) -> Verdict:
     passed = sum(result.passed for result in results)
     failed = next((index for index, result in enumerate(results) if not result.passed), None)
+    seen = tuple(sorted(frozenset().union(*(result.signs for result in results))))
     if failed is None:
-        return Verdict(reward=1.0, passed=True, reason="ok")
+        return Verdict(reward=1.0, passed=True, reason="ok", signs=seen)
     where = "program" if results[failed].program else f"test {failed + 1}"
     reward = 0.0 if all_pass else passed / len(results)
-    return Verdict(reward=reward, passed=False, reason=f"failed: {where}: {results[failed].why}")
+    return Verdict(reward=reward, passed=False, reason=f"failed: {where}: {results[failed].why}", signs=seen)
 
 
 def code_verifier(*, all_pass: bool = False, test_timeout_s: float = 1.0, time_budget_s: float = 4.0,
                   memory_mb: int = 512, output_bytes: int = 64 << 10, language: str = "python",
-                  isolation: str = "auto", allow_unisolated: bool = False) -> RewardFn:
+                  isolation: str = "auto", allow_unisolated: bool = False, unverified_asserts: str = "run") -> RewardFn:
     """The response's program against the row's tests, in the sandbox (module docstring; docs/verifiers.md)."""
     if language != "python":
         raise ValueError(f"code: language {language!r} is not supported; the sandbox runs Python: "
@@ -341,6 +399,10 @@ def code_verifier(*, all_pass: bool = False, test_timeout_s: float = 1.0, time_b
         raise ValueError(f"code: output_bytes={output_bytes!r}: a whole number of bytes from 1 to {MAX_OUTPUT_BYTES}")
     if not isinstance(all_pass, bool) or not isinstance(allow_unisolated, bool):
         raise ValueError("code: all_pass and allow_unisolated are true or false")
+    if unverified_asserts not in UNVERIFIED:
+        raise ValueError(f"code: unverified_asserts={unverified_asserts!r}: one of {', '.join(UNVERIFIED)} (whether an "
+                         "assert test outside the forms the verifier judges runs in the program's process, trusting "
+                         "it, or is refused)")
     try:
         limits = sandbox_limits(time_budget_s, memory_mb)
     except ValueError as error:
@@ -350,6 +412,7 @@ def code_verifier(*, all_pass: bool = False, test_timeout_s: float = 1.0, time_b
     settings = RunSettings(test_timeout_s, time_budget_s, output_bytes)
 
     def score(completion: str, ground_truth: str, prompt: Prompt) -> Verdict:
+        check_ground_truth(ground_truth, unverified_asserts=unverified_asserts)
         tests = parse_ground_truth(ground_truth)
         program = extract_program(completion)
         if program is None:

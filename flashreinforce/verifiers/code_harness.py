@@ -10,15 +10,19 @@ The harness is the call's first process and runs no untrusted code itself: it fo
 supervises them. Assert tests: one child runs the program, then each test in turn, saying on a pipe of its
 own when each starts and how it ended; the harness holds each test to its deadline, and when one hangs or
 ends the child, kills it and everything it started and goes on from the next test in a fresh child (which
-runs the program again). Stdin/stdout tests: one child per test, as a judge runs a program per input. The
-harness writes one frame per test on its stdout, the sandbox's output pipe, as soon as the test is over.
-Children cannot write frames: they hold neither the output pipe nor a way to reopen it (the harness makes
-itself undumpable, which also hides it from their /proc). What a child says about its tests is a claim by
-the process that runs the program: the verifier trusts it for assert tests, and compares stdin/stdout
-tests' output itself.
+runs the program again). A judged assert test (verifiers/code_asserts.py) comes as its imports and its calls
+only: the child evaluates each call and sends its value back as plain data (code_asserts's wire format), and
+the verifier compares it with the expected value, which never enters the sandbox. A test outside those forms
+comes as its text and runs as written. Stdin/stdout tests: one child per test, as a judge runs a program per
+input. The harness writes one frame per test on its stdout, the sandbox's output pipe, as soon as the test is
+over. Children cannot write frames: they hold neither the output pipe nor a way to reopen it (the harness makes
+itself undumpable, which also hides it from their /proc). What a child says about its tests is a claim by the
+process that runs the program: the harness relays it, and the verifier judges values and output itself.
 
 Frames are lines `@code {json}`:
-    {"test": i, "status": S, "detail": D, "output": BASE64}   one per test run (output: stdin/stdout tests)
+    {"test": i, "status": S, "detail": D, "output": BASE64}   one per test run (output: stdin/stdout tests;
+                                                              "values": BASE64 of a judged test's call outcomes;
+                                                              "base": true when a BaseException ended it)
     {"program": {"status": S, "detail": D}}                   the program cannot run at all: every test fails
     {"budget": i}                                             the time budget ran out before test i
     {"resume": i}                                             the output cap is near: run from test i anew
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import binascii
 import builtins
+import collections
 import ctypes
 import json
 import math
@@ -44,7 +49,8 @@ import types
 FRAME = "@code "
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
 REPORT_FD = 3  # the child's report pipe: one JSON object per line
-LINE_BYTES = 1 << 16  # the longest report line kept; a child that writes longer ones is not heard
+LINE_BYTES = 1 << 16  # the longest report line kept beyond a test's values; a longer one is not heard
+MAX_DEPTH = 64  # code_asserts.MAX_DEPTH: this file imports nothing of ours
 DETAIL_CHARS = 300
 FRAME_OVERHEAD = 1024  # a frame's JSON around its output, with room to spare
 HARNESS_GROWTH_BYTES = 32 << 20  # what the harness may add to its resident memory while a child runs
@@ -157,6 +163,8 @@ def _ended(error: BaseException) -> dict:
     if isinstance(error, SystemExit):
         code = error.code
         return {"exit": code if isinstance(code, int) else (0 if code is None else 1), "detail": _describe(error)}
+    if not isinstance(error, Exception):  # KeyboardInterrupt, GeneratorExit, a class of the program's own
+        return {"error": _describe(error), "base": True}
     return {"error": _describe(error)}
 
 
@@ -205,13 +213,90 @@ def _assert_child(payload: dict, first: int) -> None:
         _say({"start": index})
         signal.setitimer(signal.ITIMER_PROF, payload["test_s"])
         try:
-            exec(compile(payload["tests"][index], f"<test {index + 1}>", "exec"), namespace)  # noqa: S102
-            said = {"ok": True}
+            said = _run_test(payload["tests"][index], namespace, f"<test {index + 1}>", payload["output_bytes"])
         except BaseException as error:  # noqa: BLE001 - the test's result; the next test still runs
             said = _ended(error)
         signal.setitimer(signal.ITIMER_PROF, 0)
         _say({"done": index, **said})
     os._exit(0)
+
+
+def _run_test(test: dict, namespace: dict, name: str, room: int) -> dict:
+    """A test outside the judged forms runs as written; a judged one runs its imports, then evaluates each call
+    and reports the outcomes (base64 of their JSON list), for the verifier to judge."""
+    if "source" in test:
+        exec(compile(test["source"], name, "exec"), namespace)  # noqa: S102
+        return {"ok": True}
+    for statement in test["setup"]:
+        exec(compile(statement, name, "exec"), namespace)  # noqa: S102
+    pieces = []
+    for call in test["calls"]:
+        piece = json.dumps(_outcome(call, namespace, name, room))
+        room -= len(piece)
+        pieces.append(piece if room >= 0 else json.dumps({"nonplain": "a value past the output cap"}))
+    return {"values": binascii.b2a_base64(("[" + ",".join(pieces) + "]").encode(), newline=False).decode()}
+
+
+def _outcome(call: str, namespace: dict, name: str, room: int) -> dict:
+    """One call's outcome: its value as plain data, or what kept it from having one."""
+    try:
+        value = eval(compile(call, name, "eval"), namespace)  # noqa: S307 - the program's own call, in its process
+    except BaseException as error:  # noqa: BLE001 - what the call raised is its outcome
+        return _ended(error)
+    try:
+        return {"value": _wire(value, 0, [room])}
+    except _NotPlain as error:
+        return {"nonplain": str(error)[:DETAIL_CHARS]}
+    except BaseException as error:  # noqa: BLE001 - the program broke what reads its value (a recursion limit)
+        return {"nonplain": f"a value that could not be read ({_describe(error)})"}
+
+
+class _NotPlain(Exception):
+    pass
+
+
+_DICTS = (dict, collections.Counter, collections.OrderedDict, collections.defaultdict)  # compared as plain dicts
+_SCALARS = (bool, int, float, str, bytes, list, tuple, set, frozenset, dict)
+
+
+def _wire(value: object, depth: int, room: list) -> object:
+    """The value in code_asserts's wire format: exact plain types only, nothing of the value's own code run (no
+    __eq__, __iter__ or __repr__ of the program's); _NotPlain for anything else, too deep or too big."""
+    kind = type(value)
+    room[0] -= 8
+    if room[0] < 0:
+        raise _NotPlain("a value past the output cap")
+    if depth > MAX_DEPTH:
+        raise _NotPlain(f"a value nested over {MAX_DEPTH} deep (or holding itself)")
+    if value is None or kind is bool or kind is float:
+        return value
+    if kind is str or kind is bytes:
+        room[0] -= 2 * len(value)
+        if room[0] < 0:
+            raise _NotPlain("a value past the output cap")
+        return value if kind is str else {"bytes": value.hex()}
+    if kind is int:
+        room[0] -= value.bit_length() // 3
+        return value if -(1 << 63) < value < 1 << 63 else {"int": hex(value)}
+    if kind is list:
+        return [_wire(item, depth + 1, room) for item in list.__iter__(value)]
+    if kind is tuple or kind is set or kind is frozenset:
+        return {kind.__name__: [_wire(item, depth + 1, room) for item in kind.__iter__(value)]}
+    if kind in _DICTS:
+        return {"dict": [[_wire(k, depth + 1, room), _wire(v, depth + 1, room)] for k, v in dict.items(value)]}
+    raise _NotPlain(_kind_of(value))
+
+
+def _kind_of(value: object) -> str:
+    """"a Foo object", "an int subclass (Foo)", "a function": what a value that is not plain data is."""
+    kind = type(value)
+    name = type.__dict__["__qualname__"].__get__(kind)
+    base = next((b for b in _SCALARS if issubclass(kind, b)), None)
+    if base is not None:
+        article = "an" if base.__name__[0] in "aeiou" else "a"
+        return f"{article} {base.__name__} subclass ({name})"
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    return f"{article} {name} object"
 
 
 # -- in the harness: one child -----------------------------------------------------------------------------------
@@ -266,8 +351,9 @@ def _start(child, payload: dict, fds: dict, cpu_s: int, *args) -> int:
 class _Child:
     """A running child: its report pipe read line by line, its output pipe (stdin/stdout tests) up to a cap."""
 
-    def __init__(self, pid: int, report: int, output: int | None, output_cap: int) -> None:
-        self.pid, self.report, self.output, self.cap = pid, report, output, output_cap
+    def __init__(self, pid: int, report: int, output: int | None, output_cap: int,
+                 line_bytes: int = LINE_BYTES) -> None:
+        self.pid, self.report, self.output, self.cap, self.line_bytes = pid, report, output, output_cap, line_bytes
         self.pending, self.out = bytearray(), bytearray()
         self.pidfd = os.pidfd_open(pid)
         self.poller = select.poll()
@@ -312,11 +398,11 @@ class _Child:
             self.out += chunk
             return bool(chunk)
         *lines, rest = (self.pending + chunk).split(b"\n")
-        self.pending = bytearray(rest[:LINE_BYTES])
+        self.pending = bytearray(rest[:self.line_bytes])
         for line in lines:
             try:
                 message = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: a line nested past json's limit
                 continue
             if isinstance(message, dict):
                 messages.append(message)
@@ -347,8 +433,11 @@ def _said(message: dict) -> dict | None:
         return {"status": "error", "detail": str(message["syntax"])[:DETAIL_CHARS], "syntax": True}
     if message.get("ok") is True:
         return {"status": "ok", "detail": ""}
+    if isinstance(message.get("values"), str):  # a judged test's outcomes: relayed for the verifier to read
+        return {"status": "ok", "detail": "", "values": message["values"]}
     if "error" in message:
-        return {"status": "error", "detail": str(message["error"])[:DETAIL_CHARS]}
+        base = {"base": True} if message.get("base") is True else {}
+        return {"status": "error", "detail": str(message["error"])[:DETAIL_CHARS], **base}
     if "exit" in message:
         return {"status": "exit", "detail": str(message.get("detail", ""))[:DETAIL_CHARS]}
     return None
@@ -438,16 +527,17 @@ class _AssertRun:
             elif self.ran and message.get("start") == self.next and self.running is None:
                 self.running, self.deadline = self.next, self._deadline()
             elif self.ran and "done" in message and message["done"] == self.running:
-                if not self.frames.fits(FRAME_OVERHEAD):
+                result = _said(message) or {"status": "error", "detail": "no result"}
+                if not self.frames.fits(len(result.get("values", "")) + FRAME_OVERHEAD):
                     self.frames.emit({"resume": self.running})
                     return False
-                result = _said(message) or {"status": "error", "detail": "no result"}
                 self.frames.emit({"test": self.running, **result})
                 self.next, self.running, self.deadline = self.running + 1, None, self._deadline()
-            elif not self.ran and not {"start", "done", "ok"} & set(message):
-                self.failed = _said(message) or self.failed  # the program raised, exited, or does not compile
-                if self.failed:
-                    self.failed.pop("syntax", None)
+            elif not self.ran:
+                said = _said(message)  # the program raised, exited, or does not compile; "ok" is no ending
+                if said is not None and said["status"] != "ok" and not {"start", "done"} & set(message):
+                    said.pop("syntax", None)
+                    self.failed = said
         return True
 
     def after(self, ending: str, status: int) -> int | None:
@@ -482,7 +572,8 @@ def _assert_tests(payload: dict, first: int, frames: _Frames, devnull: int, end:
     finally:
         if report_write is not None:
             os.close(report_write)
-    child, run = _Child(pid, report_read, None, 0), _AssertRun(payload, first, frames, end)
+    line_bytes = LINE_BYTES + frame_bytes(payload["output_bytes"])  # a judged test's values, base64, in one line
+    child, run = _Child(pid, report_read, None, 0, line_bytes), _AssertRun(payload, first, frames, end)
     ending = None
     while ending is None:
         messages, ending = child.wait(run.deadline)

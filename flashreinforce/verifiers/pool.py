@@ -194,8 +194,9 @@ class VerifierPool:
 
     def stats(self) -> dict[str, float]:
         """Counters since start: calls, batches (sent to a worker, one call or several), reason/<ok|wrong|
-        no_answer|error|timeout|crash|...>, workers_started; gauges: workers (alive), running (calls in
-        workers), queued, limit (workers allowed to score at once now)."""
+        no_answer|error|timeout|crash|...>, the calls whose Verdict carried each hacking-watch sign (exited_early,
+        base_exception, not_plain, unverified_asserts), workers_started; gauges: workers (alive), running (calls
+        in workers), queued, limit (workers allowed to score at once now)."""
         with self._lock:
             return {**self._counts, **self._gauges, "limit": self._allowed()}  # live: yield_cpus acts at once
 
@@ -366,7 +367,7 @@ class VerifierPool:
                                        seconds=time.monotonic() - call.started))
 
     def _finish(self, call: _Call, verdict: Verdict) -> None:
-        self._count("calls", f"reason/{verdict.reason.split(':', 1)[0]}")
+        self._count("calls", f"reason/{verdict.reason.split(':', 1)[0]}", *verdict.signs)
         self._publish()  # so a caller woken by this result reads gauges that include it
         call.future.set_result(verdict)
 

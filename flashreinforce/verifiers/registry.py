@@ -192,7 +192,8 @@ def sum_verifier(*, parts: Sequence[Mapping[str, Any]]) -> RewardFn:
         verdicts = [(name, weight, to_verdict(value)) for (name, weight, _), value in zip(built, rows)]
         failed = next((v.reason for _, _, v in verdicts if not v.passed), None)
         return Verdict(reward=sum(w * v.reward for _, w, v in verdicts), passed=failed is None,
-                       reason=failed or "ok", parts=tuple((name, v.reward) for name, _, v in verdicts))
+                       reason=failed or "ok", parts=tuple((name, v.reward) for name, _, v in verdicts),
+                       signs=tuple(sorted({sign for _, _, v in verdicts for sign in v.signs})))
 
     def score_batch(completions: Sequence[str], ground_truths: Sequence[str], prompts: Sequence[Prompt]) -> list:
         by_part = [score_rows(fn, completions, ground_truths, prompts) for _, _, fn in built]
@@ -260,9 +261,12 @@ def check_rows(spec: VerifierSpec, prompts: Sequence[Prompt], *, field: str = "v
             check_rows(parse_spec(part, field=f"{field}.parts[{index}]"), prompts, field=f"{field}.parts[{index}]")
         return
     checker = getattr(importlib.import_module(FACTORIES[spec.kind].partition(":")[0]), "check_ground_truth", None)
+    # A checker may take the spec's options that bear on it (code's unverified_asserts), by name.
+    accepted = inspect.signature(checker).parameters if checker is not None else {}
+    checked = {name: value for name, value in options.items() if name in accepted}
     for prompt in prompts if checker is not None else ():
         try:
-            checker(prompt.ground_truth)
+            checker(prompt.ground_truth, **checked)
         except ValueError as error:
             raise ValueError(f"{field} ({spec.kind}): row {prompt.id}: {error}") from None
 

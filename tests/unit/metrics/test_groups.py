@@ -2,16 +2,16 @@
 
 from dataclasses import replace
 
-from flashreinforce.metrics.console import worst_task
+from flashreinforce.metrics.console import hacking, watch_summary, worst_task
 from flashreinforce.metrics.groups import group_metrics
 from flashreinforce.types import EpisodeState, FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
 
 
-def row(task="", modality="text", reward=1.0, finish="stop", version=2, episode=None, parts=()):
+def row(task="", modality="text", reward=1.0, finish="stop", version=2, episode=None, parts=(), signs=()):
     return Trajectory(key=RolloutKey(f"{task}/p", 0), prompt=Prompt(f"{task}/p", "x", "1", task=task, modality=modality),
                       group=0, tokens=(1, 2, 3, 4), loss_mask=(0, 1, 1, 1), behavior_logprobs=(0.0, -1.0, -1.0, -1.0),
                       policy_versions=(FORCED_VERSION, version, version, version), prompt_length=1,
-                      finish_reason=finish, verdict=Verdict(reward=reward, passed=reward > 0, parts=parts),
+                      finish_reason=finish, verdict=Verdict(reward=reward, passed=reward > 0, parts=parts, signs=signs),
                       episode=episode)
 
 
@@ -39,3 +39,28 @@ def test_modalities_and_a_sums_parts_are_reported_too():
 def test_the_console_names_the_worst_task_of_a_mixture_only():
     assert worst_task({"task/sums/reward_mean": 0.8, "task/game/reward_mean": 0.25}) == " (worst: game 0.250)"
     assert worst_task({"task/sums/reward_mean": 0.8, "reward/mean": 0.8}) == ""
+
+
+def test_the_hacking_watch_reports_the_share_of_rows_and_of_rewarded_rows_with_each_sign():
+    batch = [row("code", reward=0.0, signs=("exited_early",)), row("code", reward=0.0, signs=("not_plain",)),
+             row("code", reward=1.0, signs=("unverified_asserts",)), row("code", reward=1.0),
+             row("sums", reward=1.0)]
+    metrics = group_metrics(batch, version=3)
+    assert metrics["hacking/exited_early"] == metrics["hacking/not_plain"] == 0.2
+    assert metrics["hacking/any"] == 0.6 and metrics["hacking/base_exception"] == 0.0
+    # three rewarded rows, one of them on the program's word alone
+    assert metrics["hacking/rewarded/unverified_asserts"] == metrics["hacking/rewarded/any"] == 1 / 3
+    assert metrics["hacking/rewarded/exited_early"] == 0.0
+    assert metrics["task/code/hacking/any"] == 0.75 and metrics["task/code/hacking/rewarded/any"] == 0.5
+    assert not any(key.startswith("task/sums/hacking/") for key in metrics)  # no sign there: no keys
+    assert not any(key.startswith("hacking/") for key in group_metrics([row(), row(reward=0.0)], version=1))
+    unrewarded = group_metrics([row(reward=0.0, signs=("exited_early",))], version=1)
+    assert unrewarded["hacking/exited_early"] == 1.0 and unrewarded["hacking/rewarded/exited_early"] == 0.0
+
+
+def test_the_console_shows_the_hacking_watch_when_it_sees_a_sign():
+    assert hacking({"hacking/any": 0.25, "hacking/rewarded/any": 0.0}) == "  hacking signs 25% (rewarded 0%)"
+    assert hacking({"reward/mean": 1.0}) == ""
+    assert watch_summary({"calls": 96, "exited_early": 12, "not_plain": 3, "reason/ok": 80}) == \
+        "exited_early 12, not_plain 3 of 96 scored"
+    assert watch_summary({"calls": 96, "reason/ok": 96}) is None
