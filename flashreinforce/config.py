@@ -352,7 +352,7 @@ class SFTConfig(_Section):
     """SFT learning rate (AdamW, constant)."""
     carry_drop: float = Field(0.6, ge=0, le=1)
     """Probability that a worked step of the SFT traces drops its carry, so the warm start is imperfect
-    (about 40% held-out accuracy) and RL has something to fix."""
+    (about 50% held-out accuracy) and RL has something to fix."""
     tool_rate: float = Field(0.4, ge=0, le=1)
     """tool_multiply: share of warm-start traces that call the tool (the rest answer mentally)."""
     wrong_code_rate: float = Field(0.3, ge=0, le=1)
@@ -529,7 +529,7 @@ class TrainerConfig(_Section):
     world_size: int = Field(1, ge=1)
     """Data-parallel ranks (torch.distributed: gloo on CPU, NCCL on GPU). Every rank gets the whole learner
     batch, normalizes it globally, trains its share of the rows and all-reduces the gradients, so the step
-    equals the one-rank step (DESIGN invariant 4)."""
+    equals the one-rank step: normalization is global, never per rank."""
     sharding: Literal["replicate", "fsdp"] = "replicate"
     """How the ranks hold the model: replicate (each a full copy of weights, gradients and AdamW state) or fsdp
     (FSDP2: each holds 1/world_size of them, gathered block by block for compute; trainer/sharding.py). The

@@ -1,9 +1,9 @@
 """Advantage estimators: (rewards (N,), group_ids (N,)) -> advantages (N,), one per trajectory.
 
-Always called on the WHOLE learner batch, before it is split into microbatches or ranks (DESIGN
-invariant 4): every baseline below is a batch or group statistic. `group_ids` are any integers that
-tag the rollouts of one prompt (they need not be contiguous or sorted). Nothing here sees tokens, except
-that REINFORCE++'s whitening counts each row's loss tokens (token_counts (N,)).
+Always called on the WHOLE learner batch, before it is split into microbatches or ranks (normalization is
+global): every baseline below is a batch or group statistic. `group_ids` are any integers that tag the
+rollouts of one prompt (they need not be contiguous or sorted). Nothing here sees tokens, except that
+REINFORCE++'s whitening counts each row's loss tokens (token_counts (N,)).
 Standard deviations are the sample (Bessel-corrected) ones, as in TRL and verl [R]; a group of one has
 deviation 0, so its advantage is 0.
 """

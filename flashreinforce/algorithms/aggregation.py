@@ -2,8 +2,8 @@
 
 Every mode divides by global constants (B, the batch's loss-token count, the generation budget L) and by
 each row's own T_i, never by a statistic of the slice at hand. So a microbatch's loss is already its
-share of the full-batch loss: summing the slices' losses (and gradients) gives the full batch's
-(DESIGN invariant 4). A row is never split across slices, so T_i is always local.
+share of the full-batch loss: summing the slices' losses (and gradients) gives the full batch's. A row is
+never split across slices, so T_i is always local.
 """
 
 from __future__ import annotations

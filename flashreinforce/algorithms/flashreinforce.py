@@ -54,7 +54,7 @@ def flashreinforce_loss(
     position); other rows keep every policy token. q = 1 is the base method.
 
     Slice form: pass the WHOLE batch's `reward_mean` and `num_sequences` (global B); summing the slices'
-    losses and gradients then reproduces the full batch's (DESIGN invariant 4). `advantages` (B,), when given,
+    losses and gradients then reproduces the full batch's (normalization is global). `advantages` (B,), when given,
     replace R_i - mean_j R_j (a baseline of the estimator's, e.g. each task's mean in a mixture: algo.options
     baseline=task); reward_mean is then unused.
 

@@ -1,7 +1,7 @@
 """Objectives: (LossInputs, GlobalNorm, **options) -> (loss, stats), evaluable on any slice of a batch.
 
 Each objective returns the slice's SHARE of the full-batch loss (normalised by GlobalNorm, never by the
-slice), so summing slice losses and their gradients gives the full batch's (DESIGN invariant 4).
+slice), so summing slice losses and their gradients gives the full batch's (normalization is global).
 
 Stats are detached. Per-row stats are (b,) tensors: concatenate them over slices. Scalar stats are the
 slice's share of a batch figure (already divided by the global token or sequence count): SUM them over

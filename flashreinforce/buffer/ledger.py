@@ -1,4 +1,4 @@
-"""The exactly-once ledger (DESIGN invariant 5): every scheduled rollout ends trained once or dropped once.
+"""The exactly-once ledger: every scheduled rollout ends trained once or dropped once.
 
 Each RolloutKey moves scheduled -> trained(step) | dropped(reason), and never again. The ledger is an
 auditor, not a gatekeeper: a mark that breaks the rule is recorded as a violation (the key keeps its first

@@ -3,7 +3,7 @@
 A scheduler is a pure state machine: it decides which rollouts run next and which finished ones form the
 next learner batch. No asyncio, threads or I/O; every call returns at once.
 
-Checkpoint protocol (nothing lost, nothing duplicated, DESIGN invariant 5). state_dict() may be taken
+Checkpoint protocol (nothing lost, nothing duplicated: exactly once survives a crash). state_dict() may be taken
 between any two calls, typically while the engine is paused for a weight push; it holds the ledger, the
 data cursor, finished and parked rollouts, and the rollouts in flight, which STAY in flight:
   save:    report every finished generation first (on_finished; pending verification included), then

@@ -25,7 +25,8 @@ ALPHABET: tuple[str, ...] = (*"0123456789+=;", THINK_OPEN, THINK_CLOSE)
 """Every token the task's prompts and completions are made of (a tokenizer adds its own EOS / pad)."""
 DATA_SOURCE = "arithmetic"
 DEFAULT_DIGIT_WEIGHTS: tuple[float, ...] = (0.20, 0.25, 0.25, 0.22, 0.08)
-"""Share of problems with 1, 2, 3, 4, 5 columns (digits of the longer operand): NOTES.md's mix."""
+"""Share of problems with 1, 2, 3, 4, 5 columns (digits of the longer operand): few of 5
+columns, so think lengths are long-tailed."""
 
 _PROMPT = re.compile(r"(\d+)\+(\d+)=")
 # A held-out split takes its problems without replacement; the 1-column problems are only 100, so a
@@ -89,8 +90,8 @@ def render_target(item: Prompt, *, carry_drop: float = 0.0, rng: random.Random |
     """The SFT completion of an item (what follows its prompt text): `<think>{steps}</think>{answer}`.
 
     With carry_drop = p > 0, each step whose true carry is 1 writes 0 instead with probability p,
-    and the answer follows the wrong steps: imperfect traces that warm-start a model at about 40%
-    accuracy (NOTES.md, p = 0.6). The tokenizer appends EOS.
+    and the answer follows the wrong steps: imperfect traces (at p = 0.6 the default recipe's warm start scores
+    about 50% held-out, docs/benchmarks.md). The tokenizer appends EOS.
     """
     if not 0.0 <= carry_drop <= 1.0:
         raise ValueError(f"carry_drop={carry_drop} is a probability: use a value in [0, 1]")

@@ -1,7 +1,7 @@
 """Data-parallel training over torch.distributed: which rows a rank trains, and what the ranks exchange.
 
 Every rank receives the WHOLE learner batch and computes its advantages, reward mean, B and token count
-itself (DESIGN invariant 4: normalization is global, never per shard). A rank then trains only its rows:
+itself (normalization is global, never per shard). A rank then trains only its rows:
 the length-sorted batch dealt out round-robin (rank r takes rows r, r + W, r + 2W, ...), so each rank gets
 rows of every length and the ranks finish their backward passes at about the same time. Each microbatch's
 loss is already divided by the global B and T, so the sum of the ranks' gradients (one all-reduce) is the

@@ -1,7 +1,7 @@
 """Trainer.step: one learner batch -> one optimizer step, with global normalization across microbatches.
 
 The loss is chosen by name from `algorithms.LOSSES`. Advantages, the reward mean, B and the token count
-are computed on the whole batch BEFORE it is split into microbatches (DESIGN invariant 4), so the summed
+are computed on the whole batch BEFORE it is split into microbatches (normalization is global), so the summed
 microbatch gradients equal the full-batch gradient. With one optimizer step per batch, pi_old is the
 policy at the start of the step: the first (and only) forward gives it, detached.
 """

@@ -20,8 +20,8 @@ def test_default_recipe_learns_from_an_imperfect_warm_start(tmp_path):
         subprocess.run([sys.executable, "-m", "flashreinforce", "train", "--output", str(run_dir)], check=True,
                        timeout=900)
     summary = json.loads((run_dir / "summary.json").read_text())
-    # The warm start scored 49.6% when this bound was set; the code of that time scores it 50.1% on today's
-    # libraries (transformers 5.24), as this code does: imperfect either way, and the gain below is the point.
+    # The warm start scored 49.6% when this bound was set, 50.1% with transformers 5.24, and 49.6-54.1% since,
+    # by CPU (docs/benchmarks.md): imperfect either way, and the gain below is the point.
     assert 20 <= summary["initial_accuracy"] <= 55, "the warm start should be imperfect"
     # The overlapped loop is not bitwise reproducible: measured end points 70.9-78.1% (docs/benchmarks.md, "The
     # default recipe"). A fixed +20 failed by 0.9 points from a 54.1% warm start (an Intel CPU with AMX, whose

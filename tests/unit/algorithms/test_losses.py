@@ -1,4 +1,4 @@
-"""The LOSSES contract: every entry evaluated on uneven slices sums to the full batch (DESIGN invariant 4)."""
+"""The LOSSES contract: every entry evaluated on uneven slices sums to the full batch (normalization is global)."""
 
 import pytest
 import torch

@@ -112,7 +112,7 @@ def _trainer(model, loss, microbatch_size, microbatch_tokens=None, loss_options=
 
 @pytest.mark.parametrize(("loss", "group_size"), [("flashreinforce", 1), ("grpo", 4), ("dapo", 4), ("drgrpo", 4)])
 def test_microbatches_give_the_full_batch_step(loss, group_size):
-    """DESIGN invariant 4: 3 uneven microbatches step the weights exactly like one batch."""
+    """Global normalization: 3 uneven microbatches step the weights exactly like one batch."""
     base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
     batch = _on_policy_batch(base, rows=8, group_size=group_size)
     whole, split = copy.deepcopy(base), copy.deepcopy(base)
