@@ -1,4 +1,4 @@
-"""DESIGN.md "Layers": imports point one way, and heavy or optional packages stay in their corner."""
+"""docs/development.md "Layers": imports point one way, and heavy or optional packages stay in their corner."""
 
 import ast
 import subprocess
@@ -23,7 +23,7 @@ FORBIDDEN = {("buffer", "verifiers"), ("buffer", "envs"), ("buffer", "data"), ("
 # test_light_imports keeps the pool, its workers and the registry free of torch.
 MODULE_EXCEPTIONS = {"verifiers/judge.py": {"rollout"}}
 """Modules allowed a sibling the rest of their layer may not import. The judge is a verifier that generates: it runs
-its model through the embedded engine (DESIGN.md lists judges among verifiers, above rollout), importing it lazily
+its model through the embedded engine (judges are verifiers, which sit above rollout), importing it lazily
 inside its factory so that the pool and its workers stay light."""
 
 
