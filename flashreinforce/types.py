@@ -16,7 +16,7 @@ Glossary, one word per idea:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort", "turns", "env_error"]
@@ -212,10 +212,31 @@ class EpisodeState:
     env_timeout | env_crash: ... | env_error: ..."""
     verdict: Verdict | None = None
     """A finished episode's judgement (environment reward, verifier, or both, per env.reward)."""
+    calls: tuple[CallRecord, ...] = ()
+    """An agent episode's model calls through the endpoint, in the order they were made (an in-flight call's
+    generation is its partial): what a resume answers the re-run agent from."""
+    segments: tuple[Generation, ...] = ()
+    """A finished agent episode whose calls did not all extend one another token for token: the rows of its other
+    segments (the episode's row is the one of its last call), trained beside it with the episode's reward."""
 
     @property
     def turns(self) -> int:
-        return len(self.actions) + (self.pending is not None)
+        return len(self.actions) + (self.pending is not None) + len(self.calls)
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One model call of an agent episode through the endpoint (endpoint/): what the engine was asked and what
+    it sampled."""
+
+    index: int
+    """The call's number in its episode (0, 1, ...): it seeds the call's sampling and names its tool calls."""
+    fingerprint: str
+    """A digest of the call as rendered (the API, prompt ids and sampling): a resumed agent's request is answered
+    from this record only when it renders to the same."""
+    generation: Generation
+    """The engine's row of the call: prompt_ids exactly as rendered, the sampled ids with their behavior log-probs
+    and versions; finish_reason "abort" for a call a pause or a checkpoint caught in flight (its partial)."""
 
 
 @dataclass(frozen=True)
@@ -271,6 +292,9 @@ class Trajectory:
     """See Generation.stale_context."""
     images: tuple[bytes, ...] = ()
     """See Generation.images: every image whose tokens are in `tokens`, the trainer's recompute reads them."""
+    segments: tuple[Trajectory, ...] = ()
+    """An agent episode of several segments (EpisodeState.segments): its other rows, each a trajectory of the same
+    key, prompt, group and verdict. The trainer trains every row and counts the episode once in its baseline."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -295,6 +319,13 @@ class Trajectory:
 
     @property
     def oldest_version(self) -> int:
-        """Version of the stalest sampled token (the one that bounds this trajectory's lag)."""
-        versions = [v for v, m in zip(self.policy_versions, self.loss_mask) if m]
+        """Version of the stalest sampled token of any of its rows (the one that bounds this trajectory's lag)."""
+        versions = [v for row in self.rows() for v, m in zip(row.policy_versions, row.loss_mask) if m]
         return min(versions) if versions else FORCED_VERSION
+
+    def rows(self) -> tuple[Trajectory, ...]:
+        """The token rows to train: its segments', then its own (one row for every trajectory but a segmented agent
+        episode's)."""
+        if not self.segments:
+            return (self,)
+        return (*self.segments, replace(self, segments=()))

@@ -3,7 +3,8 @@ tests/unit/test_optional_imports.py (which checks that no test imports an extra'
 
 EXTRA_MARKERS = {"ray": ("ray",), "lora": ("peft",), "trl": ("trl",), "models": ("gguf", "accelerate"),
                  "reasoning_gym": ("reasoning_gym",), "textworld": ("textworld",), "vllm": ("vllm",),
-                 "wandb": ("wandb",), "ifeval": ("langdetect",), "ifeval_ref": ("lm_eval", "nltk", "punkt")}
+                 "wandb": ("wandb",), "ifeval": ("langdetect",), "ifeval_ref": ("lm_eval", "nltk", "punkt"),
+                 "endpoint": ("aiohttp", "openai")}
 """A marker naming an optional extra (pyproject's optional-dependencies) -> the packages it installs. A test
 with the marker skips, naming the extra, where they are missing: `pip install -e '.[test]'` runs the rest
 (tests/unit/test_optional_imports.py checks that no test imports an extra's package unguarded)."""

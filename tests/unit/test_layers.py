@@ -11,14 +11,16 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flashreinforce"
 
 # Lower rank = lower layer. A module may import its own layer and the layers below it, never above.
 RANK = {
-    "types": 0, "lifetime": 0, "algorithms": 1, "sandbox": 1, "models": 2, "rollout": 3, "data": 4, "envs": 4, "verifiers": 5, "buffer": 6,
+    "types": 0, "lifetime": 0, "algorithms": 1, "sandbox": 1, "models": 2, "rollout": 3, "data": 4, "envs": 4,
+    "endpoint": 4, "verifiers": 5, "buffer": 6,
     "trainer": 7, "controller": 8, "eval": 9, "metrics": 9, "config": 9, "run": 10, "cli": 11, "__init__": 11,
     "__main__": 11,
 }
 # Siblings that must not see each other even though their ranks would allow it.
 FORBIDDEN = {("buffer", "verifiers"), ("buffer", "envs"), ("buffer", "data"), ("buffer", "rollout"),
              ("buffer", "models"), ("buffer", "algorithms"), ("verifiers", "envs"), ("verifiers", "rollout"),
-             ("data", "verifiers")}
+             ("data", "verifiers"), ("endpoint", "envs"), ("endpoint", "data"), ("buffer", "endpoint"),
+             ("verifiers", "endpoint")}
 # verifiers may use models (a reward model loads like any model), but only where a verifier is built:
 # test_light_imports keeps the pool, its workers and the registry free of torch.
 MODULE_EXCEPTIONS = {"verifiers/judge.py": {"rollout"}}
