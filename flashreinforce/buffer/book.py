@@ -120,6 +120,12 @@ class GroupBook:
         """Parked rollouts handed out again, over the run."""
         self.filter_counts = FilterCounts()
 
+    def continue_samples(self, next_sample: Mapping[str, int]) -> None:
+        """Number each prompt's samples on from `next_sample` (a pipeline's earlier stages'), before any group
+        opens, so that no key (nor the request seed drawn from it) is used twice in a pipeline."""
+        assert not self.groups and not self._next_sample, "continue_samples goes before any group opens"
+        self._next_sample = dict(next_sample)
+
     # -- opening groups and admitting rollouts ---------------------------------------------------------
 
     def open_next(self) -> Group:

@@ -22,7 +22,7 @@ import inspect
 from typing import Protocol
 
 from flashreinforce.buffer.april import AprilScheduler
-from flashreinforce.buffer.book import GroupFilter, PromptAt, RolloutTask
+from flashreinforce.buffer.book import GroupBook, GroupFilter, PromptAt, RolloutTask
 from flashreinforce.buffer.ledger import Ledger
 from flashreinforce.buffer.stream import StreamScheduler
 from flashreinforce.buffer.sync import SyncScheduler
@@ -32,6 +32,8 @@ from flashreinforce.types import Generation, RolloutKey, Trajectory
 
 class Scheduler(Protocol):
     ledger: Ledger
+    book: GroupBook
+    """The bookkeeping every kind shares: the data cursor, open groups, rollouts in flight."""
     abort_on_update: bool
     """True: the controller aborts all in-flight work at each weight update and returns it via on_aborted.
     False: in-flight work continues across the update under the new weights."""

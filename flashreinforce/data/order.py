@@ -78,6 +78,28 @@ def _shuffled(n: int, seed: str) -> list[int]:
     return order
 
 
+class ContinuedOrder:
+    """A task's order from position `start` on: order[k] is the prompt at position start + k of `order`. A later
+    stage of a pipeline reads a task's data this way, going on where the stages before it stopped.
+
+    >>> ContinuedOrder(PromptOrder(prompts, seed=0), start=40)[0] == PromptOrder(prompts, seed=0)[40]
+    """
+
+    def __init__(self, order: PromptOrder, start: int) -> None:
+        if isinstance(start, bool) or not isinstance(start, numbers.Integral) or start < 0:
+            raise ValueError(f"ContinuedOrder start must be an int >= 0, got {start!r}")
+        self.order, self.start = order, int(start)
+
+    def __getitem__(self, k: int) -> Prompt:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"ContinuedOrder position must be an int >= 0, got {k!r}")
+        return self.order[self.start + int(k)]
+
+
+TaskOrder = PromptOrder | ContinuedOrder
+"""One task's prompts by position, as MixedOrder reads them."""
+
+
 class MixedOrder:
     """order[i] -> Prompt of a weighted mixture of tasks, a pure function of (seed, i), as PromptOrder is.
 
@@ -91,7 +113,7 @@ class MixedOrder:
     >>> order.task_at(7), order[7]
     """
 
-    def __init__(self, orders: dict[str, PromptOrder], weights: dict[str, float], *, seed: int) -> None:
+    def __init__(self, orders: dict[str, TaskOrder], weights: dict[str, float], *, seed: int) -> None:
         if set(orders) != set(weights) or not orders:
             raise ValueError(f"MixedOrder: tasks {sorted(orders)} and weights {sorted(weights)} must name the same tasks")
         self.orders, self.seed = orders, seed
@@ -122,6 +144,14 @@ class MixedOrder:
 
     def task_at(self, i: int) -> str:
         return self.locate(i)[0]
+
+    def positions_before(self, i: int) -> dict[str, int]:
+        """How many of the global positions [0, i) each task holds: where each task's own order stands at i."""
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
+            raise ValueError(f"MixedOrder position must be an int >= 0, got {i!r}")
+        c, offset = divmod(int(i), self.period)
+        tasks = self.cycle(c)[:offset]
+        return {name: c * self.counts[name] + tasks.count(name) for name in self.orders}
 
     def __getitem__(self, i: int) -> Prompt:
         task, k = self.locate(i)

@@ -18,8 +18,9 @@ class HintedPrompts:
 
     A prompt qualifies when it has a reference think and its initial pass@k (on the warm-start model) is at
     most `pass_threshold`. Its hint is floor(p_hint * |think tokens|) tokens, p_hint = p_initial *
-    exp(-gamma * step * max(pass, pass_floor)). The loop renders a group's prompt at the step its first
-    rollout was admitted (RolloutTask.group_version), so all G rollouts of a group share one hinted prompt.
+    exp(-gamma * t * max(pass, pass_floor)), t = step - first_step: the steps of the run (of a pipeline's
+    stage) so far. The loop renders a group's prompt at the step its first rollout was admitted
+    (RolloutTask.group_version), so all G rollouts of a group share one hinted prompt.
     """
 
     def __init__(
@@ -32,8 +33,10 @@ class HintedPrompts:
         pass_threshold: float,
         pass_floor: float,
         think_open: str,
+        first_step: int = 0,
     ) -> None:
         self.episodes = episodes
+        self.first_step = first_step
         self.pass_initial = dict(pass_initial)
         self.p_initial, self.gamma = p_initial, gamma
         self.pass_threshold, self.pass_floor = pass_threshold, pass_floor
@@ -46,8 +49,8 @@ class HintedPrompts:
     def prompt_ids(self, prompt: Prompt, step: int) -> list[int]:
         if not self.qualifies(prompt):
             return self.episodes.prompt_ids(prompt)
-        fraction = hint_fraction(step, self.pass_initial[prompt.id], p_initial=self.p_initial, gamma=self.gamma,
-                                 pass_floor=self.pass_floor)
+        fraction = hint_fraction(step - self.first_step, self.pass_initial[prompt.id], p_initial=self.p_initial,
+                                 gamma=self.gamma, pass_floor=self.pass_floor)
         return render_hinted(self.episodes, prompt, fraction, self._think_open)
 
     def hint_ids(self, prompt: Prompt, step: int) -> list[int]:

@@ -81,6 +81,18 @@ class MetricsSink:
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
 
+    def has_evaluation(self, step: int) -> bool:
+        """Does metrics.jsonl hold a held-out evaluation's own row at `step` (not one merged into a training
+        step's)? A resumed run asks before logging an evaluation it kept, so a row is never written twice."""
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a torn last line: not a row
+                continue
+            if row.get("step") == step and "eval/avg@k" in row and "loss/policy" not in row:
+                return True
+        return False
+
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             self._samples.write(json.dumps({"step": step, **row}) + "\n")

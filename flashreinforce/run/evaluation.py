@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from flashreinforce.config import RunConfig, config_from_tree, load_config
+from flashreinforce.controller.episodes import EpisodeBackend
 from flashreinforce.controller.local import LocalBackend
 from flashreinforce.data.loaders import load_prompts
+from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.eval.evaluate import EvalReport, evaluate
 from flashreinforce.models.causal_lm import model_dir_problem
 from flashreinforce.run.backends import (
@@ -24,6 +28,8 @@ from flashreinforce.run.engines import build_engine, engine_shape, model_context
 from flashreinforce.run.policy import load_policy
 from flashreinforce.trainer.checkpoint import latest_checkpoint
 from flashreinforce.types import SamplingParams
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -97,27 +103,34 @@ def score_prompts(config: RunConfig, model_dir: Path, data: Data, *, k: int, tem
     params = {name: SamplingParams(max_new_tokens=task.rollout.max_new_tokens, temperature=temperature,
                                    top_p=top_p, stop_strings=tuple(task.env.stop_strings))
               for name, task in ((name, config.for_task(name)) for name, _ in config.task_list())}
+
+    async def job(backend: EpisodeBackend, episodes: TextEpisodes) -> EvalReport:
+        return await evaluate(backend, episodes, data.eval, k=k, params=next(iter(params.values())), seed=seed,
+                              greedy=config.eval.greedy, task_params=params)
+
+    return asyncio.run(on_fresh_backend(config, model_dir, data, seed, job))
+
+
+async def on_fresh_backend(config: RunConfig, model_dir: Path, data: Data, seed: int,
+                           job: Callable[[EpisodeBackend, TextEpisodes], Awaitable[T]]) -> T:
+    """job(backend, episodes) on an engine of its own over the model at `model_dir`, with the run's environments
+    and verifiers (no trainer), closed after it whatever happens."""
     policy = load_policy(model_dir)
     episodes = build_episodes(config, policy.tokenizer, policy.model)
     shape = engine_shape(config, episodes, data, model_context(policy.model), version=0, seed=seed)
     engine = build_engine(config, policy, shape)
-
-    async def run() -> EvalReport:
-        with build_verifier_pool(config) as pool:
-            env_pool = build_env_pool(config)
-            inner = LocalBackend(engine, None, pool, policy.tokenizer, overlap=False)
-            backend = build_episode_backend(config, inner, episodes, env_pool, shape.context)
-            try:
-                if env_pool is not None:
-                    await env_pool.start()
-                return await evaluate(backend, episodes, data.eval, k=k, params=next(iter(params.values())),
-                                      seed=seed, greedy=config.eval.greedy, task_params=params)
-            finally:
-                await backend.close()
-                if env_pool is not None:
-                    await env_pool.aclose()
-
-    return asyncio.run(run())
+    with build_verifier_pool(config) as pool:
+        env_pool = build_env_pool(config)
+        inner = LocalBackend(engine, None, pool, policy.tokenizer, overlap=False)
+        backend = build_episode_backend(config, inner, episodes, env_pool, shape.context)
+        try:
+            if env_pool is not None:
+                await env_pool.start()
+            return await job(backend, episodes)
+        finally:
+            await backend.close()
+            if env_pool is not None:
+                await env_pool.aclose()
 
 
 def with_budget(config: RunConfig, max_new_tokens: int | None) -> RunConfig:

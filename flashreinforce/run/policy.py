@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,11 +93,18 @@ def build_policy(config: RunConfig, data: Data, run_dir: Path, reporter: Reporte
 
 
 def save_policy(policy: Policy, directory: Path) -> None:
-    """Model and tokenizer as a Hugging Face directory, whole or not at all (staged, then renamed)."""
-    staging = directory.with_name(directory.name + ".tmp")
+    """Model and tokenizer as a Hugging Face directory, whole or not at all (staged, then renamed). A directory there
+    already is replaced (a stage redone after a kill saves again where its first try saved), as is what a kill left
+    of an earlier staging."""
+    staging, replaced = (directory.with_name(f"{directory.name}.{suffix}") for suffix in ("tmp", "replaced"))
+    for leftover in (staging, replaced):
+        shutil.rmtree(leftover, ignore_errors=True)
     policy.model.save_pretrained(staging, safe_serialization=True)
     policy.tokenizer.save_pretrained(staging)
+    if directory.exists():  # os.replace cannot replace a non-empty directory: move it aside first
+        os.replace(directory, replaced)
     os.replace(staging, directory)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def tiny_policy(config: RunConfig, kinds: Sequence[str] | None = None) -> Policy:

@@ -15,13 +15,21 @@ newest checkpoint, else from where it starts (the previous stage's final checkpo
 starts from what is on disk, never from objects in memory, so an uninterrupted run and a killed-and-resumed one
 take the same path. Optimizer steps count across stages (an RL stage's steps follow the previous stages'), and
 whatever is in flight when an RL stage ends is recorded dropped with reason `stage_end`.
+
+Data and keys carry across stages too: an RL stage records in its summary.json where each of its tasks' own data
+orders stands (`data_positions`), and a later stage training a task again on the same data goes on from there, so
+every prompt of a task is trained once before its epoch wraps, whichever stages share the task (a task given other
+data starts that data at its beginning). Rollout keys go on numbering each prompt's samples from the last RL
+stage's, so a key, and the request seed drawn from it, is never used twice in a pipeline.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +64,13 @@ class StageStart:
     trainer_state: dict[str, Any] | None
     """What the trainer carries over: the step count, bf16 masters or LoRA adapters, and AdamW's moments
     (optimizer: keep); never the previous stage's lr schedule."""
+    data_starts: dict[str, int] = field(default_factory=dict)
+    """Where each task's own data order begins ("" names a run without tasks); absent: at its beginning."""
+    next_samples: dict[str, int] = field(default_factory=dict)
+    """Each prompt's first unused sample number after the stages before it: keys stay unique in the pipeline."""
+    warm_model_dir: Path | None = None
+    """The model the pipeline's latest SFT left (None: model.path, when no SFT came first): where AHRL measures
+    each prompt's initial pass@k (ERNIE eq. 5's pass_initial is the SFT model's)."""
 
 
 def first_step(stage: StageStart | None) -> int:
@@ -78,6 +93,7 @@ def run_stages(config: RunConfig, run_dir: Path | None, resume: bool, reporter: 
         run_dir = create_run_dir(config, run_dir)
     assert run_dir is not None
     model_dir, version, previous_rl = initial_model(config, run_dir, reporter), 0, None
+    warm_model_dir, last_rl, positions = model_dir, None, DataPositions()
     summaries: list[dict[str, Any]] = []
     for index, stage in enumerate(config.stages):
         directory, stage_config = stage_directory(run_dir, index, stage.name), config.stage(index)
@@ -87,14 +103,17 @@ def run_stages(config: RunConfig, run_dir: Path | None, resume: bool, reporter: 
             summary = sft_stage(stage_config, directory, model_dir, stage.name, version, reporter)
         elif summary is None:
             carried = carried_state(previous_rl, keep=stage.optimizer == "keep", version=version)
-            start = StageStart(stage.name, version, model_dir, carried)
+            start = StageStart(stage.name, version, model_dir, carried, positions.starts(stage_config),
+                               next_samples(last_rl), warm_model_dir)
             summary = run_rl_stage(stage_config, directory, (directory / "config.yaml").is_file(), reporter, start)
         summaries.append({"stage": stage.name, "kind": stage.kind, "steps": stage.steps, **summary})
         if stage.kind == "sft":
-            model_dir, previous_rl = directory / "sft", None
+            model_dir = warm_model_dir = directory / "sft"
+            previous_rl = None
         else:
-            previous_rl = newest_intact_checkpoint(directory / "checkpoints").checkpoint
+            previous_rl = last_rl = newest_intact_checkpoint(directory / "checkpoints").checkpoint
             model_dir, version = previous_rl / "model", summary["optimizer_steps"]
+            positions.record(stage_config, summary["data_positions"])
         write_pipeline_metrics(run_dir, summaries)
     summary = pipeline_summary(run_dir, config, summaries)
     write_json_atomic(run_dir / "summary.json", summary)
@@ -119,6 +138,39 @@ def initial_model(config: RunConfig, run_dir: Path, reporter: Reporter) -> Path 
         warm_start(first, load_data(first), policy, reporter)
     save_policy(policy, directory)
     return directory
+
+
+class DataPositions:
+    """Where each task's data order stood when an RL stage last trained it, and on which data: a stage training a
+    task again on the same data starts there; on other data (its data section differs), at the beginning."""
+
+    def __init__(self) -> None:
+        self._stood: dict[str, tuple[str, int]] = {}  # task -> (its data's fingerprint, next position)
+
+    def record(self, config: RunConfig, positions: dict[str, int]) -> None:
+        data = dict(config.task_list())
+        self._stood.update({name: (data_fingerprint(data[name].data), position) for name, position in positions.items()})
+
+    def starts(self, config: RunConfig) -> dict[str, int]:
+        starts = {}
+        for name, task in config.task_list():
+            fingerprint, position = self._stood.get(name, ("", 0))
+            if position and fingerprint == data_fingerprint(task.data):
+                starts[name] = position
+        return starts
+
+
+def data_fingerprint(data: Any) -> str:
+    """A task's data section, as one value: equal sections give the same prompts in the same order."""
+    return hashlib.sha256(json.dumps(data.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def next_samples(checkpoint: Path | None) -> dict[str, int]:
+    """Each prompt's first unused sample number in an RL stage's final checkpoint ({} before any RL stage)."""
+    if checkpoint is None:
+        return {}
+    _, controller_state, _ = load_states(checkpoint)
+    return dict(controller_state["scheduler"]["book"]["next_sample"])
 
 
 def carried_state(checkpoint: Path | None, *, keep: bool, version: int) -> dict[str, Any] | None:

@@ -43,7 +43,7 @@ from flashreinforce.run.directory import create_run_dir, read_json, write_json_a
 from flashreinforce.run.engines import check_tiny_context, engine_shape, model_context, rollout_params
 from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
 from flashreinforce.run.policy import Policy, build_policy, load_policy, seed_everything
-from flashreinforce.run.scheduling import build_run_scheduler
+from flashreinforce.run.scheduling import build_run_scheduler, task_positions
 from flashreinforce.run.stages import StageStart, first_step, run_stages
 from flashreinforce.trainer.checkpoint import newest_intact_checkpoint
 from flashreinforce.verifiers.pool import VerifierPool
@@ -141,7 +141,10 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
     shape = engine_shape(config, episodes, data, model_context(start.policy.model), version=start.version,
                          seed=config.seed)
     opened = open_backend(config, start.policy, shape, stack)
-    scheduler = build_run_scheduler(config, data, first_step=first_step(stage))
+    scheduler = build_run_scheduler(config, data, first_step=first_step(stage),
+                                    starts=stage.data_starts if stage is not None else None)
+    if stage is not None and start.controller_state is None:  # a stage's start (a resume restores its own)
+        scheduler.book.continue_samples(stage.next_samples)
     sink = MetricsSink(run_dir, tensorboard=config.log.tensorboard, wandb=config.log.wandb,
                        config=config.model_dump(mode="json"), resume_step=start.version if resume else None,
                        tags={"stage": stage.name} if stage is not None else None)
@@ -174,7 +177,7 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
                                   clock=lambda: start.wall_seconds + time.perf_counter() - started)
         progress = reporter.training(total=last_step, completed=parts.trainer.version)
         log = StepLog(config, parts.sink, parts.episodes, progress, initial["metrics"])
-        hints = await build_hints(config, run_dir, parts.backend, parts.episodes, data.train, reporter)
+        hints = await build_hints(config, run_dir, parts.backend, parts.episodes, data.train, reporter, stage)
         loop = RLLoop(parts.backend, parts.scheduler, parts.episodes, loop_settings(config, last_step), on_step=log,
                       on_checkpoint=writer, evaluate=held_out.metrics, hints=hints, version=parts.trainer.version)
         if start.controller_state is not None:
@@ -190,7 +193,9 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
         final = await final_evaluation(parts, held_out, log.last_eval, last_step, reporter)
         summary = summarize(parts, held_out, initial["metrics"], final, writer.clock())
         if stage is not None:
-            summary.update(stage=stage.name, first_step=stage.first_version)
+            opened = parts.scheduler.book.cursor - first_step(stage) * config.scheduler.batch_groups
+            summary.update(stage=stage.name, first_step=stage.first_version,
+                           data_positions=task_positions(config, data, stage.data_starts, opened))
         write_json_atomic(run_dir / "summary.json", summary)
         return summary
 
@@ -205,29 +210,39 @@ def loop_settings(config: RunConfig, last_step: int) -> LoopSettings:
 
 async def initial_evaluation(parts: RunParts, held_out: HeldOut, reporter: Reporter) -> dict[str, Any]:
     """The held-out score before RL: measured once, kept in initial_eval.json for a resumed run."""
-    path = parts.run_dir / "initial_eval.json"
-    initial = read_json(path)
-    if initial is None:
-        with reporter.status("held-out evaluation before RL"):
-            report = await held_out.report()
-        initial = {"metrics": report.metrics(), "describe": report.describe()}
-        write_json_atomic(path, initial)
-        parts.sink.log(parts.trainer.version, report.metrics())
+    initial = await evaluation_once(parts, held_out, parts.run_dir / "initial_eval.json",
+                                    reporter.status("held-out evaluation before RL"))
     reporter.note(f"before RL: {initial['describe']}")
     return initial
 
 
 async def final_evaluation(parts: RunParts, held_out: HeldOut, last_eval: dict[str, float], last_step: int,
                            reporter: Reporter) -> dict[str, float]:
-    """The held-out score after RL, unless the last step already evaluated it (eval.every divides it)."""
+    """The held-out score after RL, unless the last step already evaluated it (eval.every divides it); measured
+    once, kept in final_eval.json: a run killed after it (before its summary) does not score or log it twice."""
     config = parts.config
     if config.trainer.steps and config.eval.every and last_step % config.eval.every == 0:
         return last_eval
-    with reporter.status("held-out evaluation after RL"):
-        report = await held_out.report()
-    parts.sink.log(parts.trainer.version, report.metrics())
-    reporter.note(f"after RL: {report.describe()}")
-    return report.metrics()
+    final = await evaluation_once(parts, held_out, parts.run_dir / "final_eval.json",
+                                  reporter.status("held-out evaluation after RL"))
+    reporter.note(f"after RL: {final['describe']}")
+    return final["metrics"]
+
+
+async def evaluation_once(parts: RunParts, held_out: HeldOut, path: Path,
+                          status: contextlib.AbstractContextManager) -> dict[str, Any]:
+    """A held-out evaluation at the trainer's version, done once whatever kills and resumes come: its result is
+    kept in `path` first, then logged, and a resume logs a kept result only if its row is not there yet."""
+    version = parts.trainer.version
+    kept = read_json(path)
+    if kept is None or kept.get("version", version) != version:
+        with status:
+            report = await held_out.report()
+        kept = {"version": version, "metrics": report.metrics(), "describe": report.describe()}
+        write_json_atomic(path, kept)
+    if not parts.sink.has_evaluation(version):
+        parts.sink.log(version, kept["metrics"])
+    return kept
 
 
 def summarize(parts: RunParts, held_out: HeldOut, initial: dict[str, float], final: dict[str, float],

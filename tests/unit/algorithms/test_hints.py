@@ -51,3 +51,19 @@ def test_bad_schedule_inputs_raise(kwargs):
     args = dict(step=1, pass_initial=0.5, p_initial=0.5, gamma=0.1) | kwargs
     with pytest.raises(ValueError):
         hint_fraction(args.pop("step"), args.pop("pass_initial"), **args)
+
+
+def test_a_stage_counts_its_own_steps():
+    """HintedPrompts(first_step=s): a stage that starts at global step s hints at step s as a run does at step 0."""
+    from flashreinforce.envs.hints import HintedPrompts
+    from flashreinforce.envs.single_turn import TextEpisodes
+    from flashreinforce.models import build_char_tokenizer
+    from flashreinforce.types import Prompt
+
+    episodes = TextEpisodes(build_char_tokenizer("0123456789+=<>/thinkabc ", special_tokens=("<pad>", "<eos>", "<unk>")))
+    prompt = Prompt("p", "1+2=", "3", reference_think="1+2=3 abc 1+2=3 abc")
+    options = dict(p_initial=0.5, gamma=0.5, pass_threshold=1.0, pass_floor=0.0, think_open="")
+    run = HintedPrompts(episodes, {"p": 0.5}, **options)
+    stage = HintedPrompts(episodes, {"p": 0.5}, **options, first_step=40)
+    assert [stage.hint_ids(prompt, 40 + t) for t in range(4)] == [run.hint_ids(prompt, t) for t in range(4)]
+    assert len(run.hint_ids(prompt, 0)) > len(run.hint_ids(prompt, 3)) > 0

@@ -99,3 +99,23 @@ def test_empirical_shares_of_a_long_run_match_fractional_weights():
     assert counts == {"a": 500, "b": 300, "c": 200}
     counts = Counter(order.task_at(i) for i in range(137))  # not a whole number of cycles: within one cycle
     assert all(abs(counts[t] - 137 * w) <= order.period for t, w in {"a": 0.5, "b": 0.3, "c": 0.2}.items())
+
+
+def test_positions_before_count_each_tasks_share_and_a_continued_order_goes_on_from_there():
+    """A pipeline's later stage: each task's own order goes on where the earlier stage's mixture left it."""
+    from flashreinforce.data.order import ContinuedOrder
+
+    order = _mixture()
+    for i in (0, 1, 3, 4, 5, 17, 400):
+        counts = order.positions_before(i)
+        assert counts == {name: [order.task_at(j) for j in range(i)].count(name) for name in ("math", "tool")}
+    stood = order.positions_before(17)
+    later = MixedOrder({name: ContinuedOrder(order.orders[name], stood[name]) for name in order.orders},
+                       {"math": 1, "tool": 1}, seed=9)
+    math_next = [later[i].id for i in range(40) if later.task_at(i) == "math"]
+    assert math_next == [order.orders["math"][stood["math"] + k].id for k in range(len(math_next))]
+    epoch_start = stood["math"] - stood["math"] % 7  # math has 7 prompts: the rest of this epoch is none seen in it
+    seen = {order.orders["math"][k].id for k in range(epoch_start, stood["math"])}
+    assert seen and not set(math_next[:7 - stood["math"] % 7]) & seen
+    with pytest.raises(ValueError, match="start must be an int >= 0"):
+        ContinuedOrder(order.orders["math"], -1)
