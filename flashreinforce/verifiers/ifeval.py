@@ -347,11 +347,20 @@ def _nth_paragraph_first_word(text: str, args: Args) -> bool:
     return paragraphs == args["num_paragraphs"] and word == args["first_word"].lower()
 
 
-_PLACEHOLDER = re.compile(r"\[[^\n]*?\]")
-
-
 def _number_placeholders(text: str, args: Args) -> bool:
-    return len(_PLACEHOLDER.findall(text)) >= args["num_placeholders"]
+    return count_placeholders(text) >= args["num_placeholders"]
+
+
+def count_placeholders(text: str) -> int:
+    """`[...]` spans within a line, as IFEval's `\\[.*?\\]` finds them, in one pass: from each `[` to the next
+    `]` of its line (the regular expression, trying every `[` of a long line with no `]`, takes quadratic time)."""
+    count = 0
+    for line in text.split("\n"):
+        end = 0
+        while (start := line.find("[", end)) >= 0 and (end := line.find("]", start + 1)) >= 0:
+            count += 1
+            end += 1
+    return count
 
 
 def _postscript(text: str, args: Args) -> bool:
@@ -362,14 +371,35 @@ def _postscript(text: str, args: Args) -> bool:
     return re.search(pattern, text.lower()) is not None
 
 
-# A bullet: a line that starts, after spaces, with "*" and not "**", or with "-". (The leading \s* may also
-# swallow blank lines above, and "[^*]" the line's end: IFEval's pattern, which we match.)
-_STAR_BULLET = re.compile(r"^\s*\*[^*].*$", re.MULTILINE)
-_DASH_BULLET = re.compile(r"^\s*-.*$", re.MULTILINE)
-
-
 def _number_bullet_lists(text: str, args: Args) -> bool:
-    return len(_STAR_BULLET.findall(text)) + len(_DASH_BULLET.findall(text)) == args["num_bullets"]
+    return count_bullets(text, "*") + count_bullets(text, "-") == args["num_bullets"]
+
+
+_SPACE = re.compile(r"\s*")
+
+
+def count_bullets(text: str, mark: str) -> int:
+    """Lines that start, after spaces, with "*" and not "**" (mark "*") or with "-" (mark "-"): what IFEval's
+    `^\\s*\\*[^\\*].*$` and `^\\s*-.*$` (multiline) find, in one pass. As there, the leading spaces may swallow
+    blank lines above, and the character after "*" may be the line's end (the match then runs to the end of the
+    next line). The expressions themselves retry every blank line of a long run: quadratic time."""
+    count, start, size = 0, 0, len(text)
+    while start < size:
+        mark_at = _SPACE.match(text, start).end()  # every line start in this run of spaces gets here alike
+        matched = mark_at < size and text[mark_at] == mark and (
+            mark == "-" or mark_at + 1 < size and text[mark_at + 1] != "*")
+        if matched:
+            count += 1
+            end = text.find("\n", mark_at + (2 if mark == "*" else 1))
+            if end < 0:
+                break
+            start = end if text[end - 1] == "\n" else end + 1  # the next line start at or after the match's end
+        else:
+            end = text.find("\n", mark_at)
+            if end < 0:
+                break
+            start = end + 1
+    return count
 
 
 _CONSTRAINED = ("My answer is yes.", "My answer is no.", "My answer is maybe.")
@@ -404,16 +434,24 @@ def _json_format(text: str, args: Args) -> bool:
         text = text.removeprefix(fence)
     try:
         json.loads(text.removesuffix("```").strip())
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arrays nested past json's limit are no answer either
         return False
     return True
 
 
-_TITLE = re.compile(r"<<[^\n]+>>")
-
-
 def _title(text: str, args: Args) -> bool:
-    return any(title.lstrip("<").rstrip(">").strip() for title in _TITLE.findall(text))
+    return any(title.lstrip("<").rstrip(">").strip() for title in titles(text))
+
+
+def titles(text: str) -> list[str]:
+    """What IFEval's `<<[^\\n]+>>` finds, one per line at most: from a line's first `<<` to its last `>>` (greedy),
+    with something between; in one pass (the expression retries every `<<` of a line with no `>>`)."""
+    found = []
+    for line in text.split("\n"):
+        start, end = line.find("<<"), line.rfind(">>")
+        if start >= 0 and end >= start + 3:
+            found.append(line[start:end + 2])
+    return found
 
 
 def _two_responses(text: str, args: Args) -> bool:

@@ -5,7 +5,8 @@ on a think that never closes. In that text it takes, in order: the last \boxed{.
 phrase "the answer is X" / "answer: X" and a GSM8K-style line "#### X" (X a bare answer with a digit, so
 that a markdown heading "#### Step 1: add" is not one), the text itself when it is a bare answer, else the
 last number (`strict`: a marked answer or none). Markdown bold around or inside the marked answer
-("**Answer:** 42") is ignored.
+("**Answer:** 42") is ignored. A boxed or marked answer that hedges between values ("3 or 5", "\\boxed{4 \\pm 1}")
+is no answer: one answer is scored, never the best of several.
 answers_equal compares normalized strings, then numbers (ints, decimals, fractions, percents,
 thousands commas; exact rational arithmetic), then expressions with sympy (verifiers/symbolic.py).
 Nothing here runs user code or bounds time: verifiers/pool.py runs these calls under a timeout.
@@ -23,6 +24,8 @@ from flashreinforce.verifiers.registry import check_bool_options
 from flashreinforce.verifiers.symbolic import symbolic_equal
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"[{}]")
+_HEDGE = re.compile(r"\bor\b|\\pm|±|\\mp|\\lor|∨", re.IGNORECASE)
 _ANSWER_IS = re.compile(r"answer\s*(?:is\s*:?|:)\s*", re.IGNORECASE)
 _HASHES = re.compile(r"^[ \t]*####[ \t]*([^\n]*)$", re.MULTILINE)  # GSM8K's final line: "#### 72"
 _BOLD = re.compile(r"\*\*")
@@ -38,11 +41,14 @@ _LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mathbf|operatorname)\s*\{([^{
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
 _LATEX_FRAC = re.compile(r"([-+]?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+MAX_NUMBER_CHARS = 1000
+"""A longer answer is not read as a number (equal texts still match)."""
 
 
-def extract_answer(text: str, *, strict: bool = False) -> str | None:
+def extract_answer(text: str, *, strict: bool = False, hedges: bool = False) -> str | None:
     r"""The final answer in a completion, or None. `strict`: only a marked answer (boxed, "answer: X", "####
-    X"), never the text's last number, which in an agent's final turn may be a number in its code.
+    X"), never the text's last number, which in an agent's final turn may be a number in its code. `hedges`: a
+    boxed or marked answer may give several values (when the truth itself does: "\pm 2").
 
     >>> extract_answer("<think>7+5+0=12;0+4+1=5;</think>52")
     '52'
@@ -57,10 +63,10 @@ def extract_answer(text: str, *, strict: bool = False) -> str | None:
         return None  # the model never finished thinking: numbers in the think are not its answer
     boxed = _last_boxed(text)
     if boxed is not None:
-        return boxed.strip() or None
+        return None if _hedged(boxed) and not hedges else boxed.strip() or None
     marked = _marked_answer(text)
     if marked is not None:
-        return _answer_in(marked)
+        return None if _hedged(marked) and not hedges else _answer_in(marked)
     if strict:
         return None
     if closed >= 0:
@@ -85,7 +91,7 @@ def answers_equal(pred: str, truth: str) -> bool:
 
 def math_reward(completion: str, ground_truth: str, *, strict: bool = False) -> Verdict:
     """1 with reason "ok" when the extracted answer equals the truth; 0 with "wrong" or "no_answer"."""
-    answer = extract_answer(completion, strict=strict)
+    answer = extract_answer(completion, strict=strict, hedges=_hedged(ground_truth))
     if answer is None:
         return NO_ANSWER
     if answers_equal(answer, ground_truth):
@@ -96,6 +102,8 @@ def math_reward(completion: str, ground_truth: str, *, strict: bool = False) -> 
 def parse_number(text: str) -> tuple[Fraction, bool] | None:
     r"""(exact value, written as a percent) of a plain number, or None: "-1,234.5", "3/4", "\frac{3}{4}", "12%"."""
     text = _normalize(text)
+    if len(text) > MAX_NUMBER_CHARS:
+        return None  # compared as text only: Python will not read an int of thousands of digits
     percent = text.endswith("%")
     text = text.rstrip("%").removesuffix("\\")  # "12\%" is LaTeX for 12%
     if _THOUSANDS.fullmatch(text):
@@ -131,6 +139,14 @@ def _marked_answer(text: str) -> str | None:
     return re.split(r"\.(?:\s|$)", line, maxsplit=1)[0]
 
 
+def _hedged(span: str) -> bool:
+    """Whether an answer offers several values: two different numbers and an "or" or a plus-minus between them."""
+    if not _HEDGE.search(span):
+        return False
+    values = {parse_number(number) for number in _NUMBER.findall(span[:MAX_NUMBER_CHARS])}
+    return len({value[0] for value in values if value is not None}) > 1 or "\\pm" in span or "±" in span
+
+
 def _bare_number_line(line: str) -> bool:
     """Whether a "####" line holds an answer ("72", "$1,000", "-3/4") rather than a heading ("Step 1: add")."""
     line = _BOLD.sub("", line)
@@ -151,14 +167,18 @@ def _last_number(text: str) -> str | None:
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} whose braces balance (nested braces included)."""
-    for match in reversed(list(_BOXED.finditer(text))):
-        depth = 1
-        for i in range(match.end(), len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[match.end():i]
-    return None
+    """Content of the last \\boxed{...} whose braces balance (nested braces included), in one pass over the text
+    (a scan from each box's brace would take quadratic time on many unclosed boxes)."""
+    starts = [match.end() for match in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    closes, opened = {}, []
+    for brace in _BRACE.finditer(text):
+        if brace[0] == "{":
+            opened.append(brace.start())
+        elif opened:
+            closes[opened.pop()] = brace.start()
+    return next((text[start:closes[start - 1]] for start in reversed(starts) if start - 1 in closes), None)
 
 
 def math_verifier(*, strict: bool = False) -> Callable[[str, str, Prompt], Verdict]:

@@ -2,7 +2,9 @@
 
 The conversation is the prompt's chat messages (or its text as one user message) plus the response as the
 assistant's turn, rendered with the reward model's own chat template when its tokenizer has one (else prompt and
-response joined by a newline), truncated from the left to `max_length` tokens. The score is the logit of label 0
+response joined by a newline), truncated from the left to `max_length` tokens. The response's text is tokenized
+as plain text (verifiers/fence.py): a response that writes its template's end-of-turn marker cannot end its turn
+and speak as another role. The score is the logit of label 0
 (reward models have one label; `label` picks another), optionally squashed: reward = sigmoid((score - shift) /
 scale), or (score - shift) / scale with `squash: none`. `passed` is reward > `pass_threshold`.
 
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from flashreinforce.types import Prompt, Verdict
+from flashreinforce.verifiers.fence import SLOT, tokens_around
 from flashreinforce.verifiers.registry import DEFAULT_BATCH_SIZE, BatchedRewardFn, check_batch_size
 
 SQUASHES = ("sigmoid", "none")
@@ -47,7 +50,8 @@ def reward_model_verifier(*, path: str, device: str = "cpu", dtype: str = "float
 
     def score_batch(completions: Sequence[str], ground_truths: Sequence[str],
                     prompts: Sequence[Prompt]) -> list[Verdict]:
-        rows = [conversation_ids(tokenizer, conversation(p, c), max_length) for c, p in zip(completions, prompts)]
+        rows = [conversation_ids(tokenizer, conversation(prompt, SLOT), max_length, completion)
+                for completion, prompt in zip(completions, prompts)]
         return [verdict(raw) for raw in reward_scores(model, rows, label=label)]
     return BatchedRewardFn(score_batch, batch_size)
 
@@ -83,14 +87,14 @@ def conversation(prompt: Prompt, completion: str) -> list[dict[str, str]]:
     return [*messages, {"role": "assistant", "content": completion}]
 
 
-def conversation_ids(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> list[int]:
-    """The conversation's tokens (its chat template's, else its contents joined by newlines), cut from the left to
-    max_length."""
+def conversation_ids(tokenizer: Any, messages: list[dict[str, str]], max_length: int, response: str) -> list[int]:
+    """The conversation's tokens (its chat template's, else its contents joined by newlines), fence.SLOT in it
+    replaced by the response's tokens (plain text), cut from the left to max_length."""
     if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
     else:
-        ids = tokenizer.encode("\n".join(m["content"] for m in messages))
-    return list(ids)[-max_length:]
+        text = "\n".join(m["content"] for m in messages)
+    return tokens_around(tokenizer, text, response)[-max_length:]
 
 
 def reward_scores(model: Any, rows: Sequence[list[int]], *, label: int) -> list[float]:

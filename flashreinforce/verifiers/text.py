@@ -57,6 +57,10 @@ _STANDALONE = re.compile(r"(?<![\w'’\\-])([A-Z])(?![\w'’-])")
 _LABELLED = re.compile(r"(?:\(([A-Za-z])\)|\[([A-Za-z])\]|([A-Za-z])[.):]?)(?:\s+(.*))?", re.DOTALL)
 _OPTION_LINE = re.compile(r"^[ \t]*(?:\(([A-Z])\)|\[([A-Z])\]|([A-Z])[.):])[ \t]+(\S[^\n]*?)[ \t]*$", re.MULTILINE)
 _SENTENCE_END = re.compile(r"[.!?](?:\s|$)")
+MARKER_WINDOW = 1024
+"""How far past an answer marker its option is looked for (an option's text is shorter)."""
+MAX_MARKERS = 64
+"""The answer markers read, from the last: a response that names no option after its last 64 names none."""
 
 
 def prompt_options(prompt: Prompt | str | None, letters: str = "ABCDEFGHIJ") -> dict[str, str]:
@@ -104,9 +108,10 @@ def _from_boxed(text: str, letters: str, options: Mapping[str, str]) -> str | No
 
 
 def _from_marker(text: str, letters: str, options: Mapping[str, str]) -> str | None:
-    for match in reversed(list(_MARKER.finditer(text))):
-        # The answer may sit on the next line ("Answer:\n\nC"), but never further than one line on.
-        span = text[match.end():].lstrip().split("\n", 1)[0]
+    for match in list(_MARKER.finditer(text))[::-1][:MAX_MARKERS]:
+        # The answer may sit on the next line ("Answer:\n\nC"), but never further than one line on; reading a
+        # window of the last markers, not the rest of the text after each, keeps a text of many markers fast.
+        span = text[match.end():match.end() + MARKER_WINDOW].lstrip().split("\n", 1)[0]
         letter = _option_in(span, letters, options)
         if letter is not None:
             return letter
