@@ -311,7 +311,8 @@ class EnvConfig(_Section):
     kind: str = "math"
     """math: single-turn answer checking. Multi-turn: python_tool (code in a sandbox), text_game, visual_grid
     (built in; visual_grid shows pictures), textworld, alfworld (extras), or your own class,
-    `path/to/my_env.py:MyEnv` (relative to the recipe's directory or the working directory)."""
+    `path/to/my_env.py:MyEnv` (relative to the recipe's directory or the working directory). agent: your own agent
+    (env.agent) calls the policy through the OpenAI-compatible endpoint (docs/endpoint.md)."""
     options: dict[str, Any] = {}
     """Keyword arguments of the environment's constructor."""
     max_turns: int = Field(1, ge=1)
@@ -336,11 +337,48 @@ class EnvConfig(_Section):
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Context kept for an episode's first prompt (the task and the reset observation) on top of
     rollout.max_new_tokens, which every later turn and observation share. None: what the model's context
-    leaves after rollout.max_new_tokens, at most 512."""
+    leaves after rollout.max_new_tokens, at most 512. An agent's calls: the room its conversation may grow to
+    before a call's completion."""
+    agent: str | None = None
+    """kind agent: `path/to/agent.py:run` or `package.module:run`, an `async def run(client, row)` that gets an
+    openai.AsyncOpenAI client bound to the episode and returns its reward (a number), a dict of reward, answer and
+    passed, or None (the verifier scores its last reply)."""
+    agent_timeout_s: float = Field(600.0, gt=0)
+    """Wall deadline of one agent episode (time a pause of the run holds it does not count); an overrun ends it
+    with reason agent_timeout, scored 0."""
 
     @property
     def multi_turn(self) -> bool:
         return self.kind != "math"
+
+    @property
+    def is_agent(self) -> bool:
+        return self.kind == "agent"
+
+    @model_validator(mode="after")
+    def _agent_named(self) -> EnvConfig:
+        if self.is_agent and not self.agent:
+            raise ValueError("kind=agent runs your agent: set env.agent=path/to/agent.py:run")
+        if self.agent and not self.is_agent:
+            raise ValueError(f"env.agent is set but env.kind={self.kind!r}: set env.kind=agent to run it")
+        return self
+
+
+class EndpointConfig(_Section):
+    host: str = "127.0.0.1"
+    """Address the OpenAI-compatible endpoint binds (loopback by default; any other is reachable by others)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Its port; 0 takes a free one (endpoint.json in the run directory says which)."""
+    api_key: str | None = None
+    """The key clients send (Authorization: Bearer ...); None makes a new one per run, in endpoint.json."""
+    chat_template: str | None = None
+    """The chat template requests are rendered with: None, the tokenizer's; hermes, ChatML with tools and tool
+    calls in the Hermes format the endpoint parses (for a ChatML model whose template has none); or a Jinja file."""
+    max_pending_calls: int = Field(1024, ge=1)
+    """Calls waiting for the engine at once; more are answered 429 (retry later)."""
+    serve: bool = False
+    """Serve the endpoint in a run without agent tasks too (calls at /v1 use the policy and train nothing); a run
+    with an agent task always serves it."""
 
 
 class SFTConfig(_Section):
@@ -768,6 +806,7 @@ class RunConfig(_Section):
     verifier: VerifierConfig = VerifierConfig()
     backend: BackendConfig = BackendConfig()
     log: LogConfig = LogConfig()
+    endpoint: EndpointConfig = EndpointConfig()
     tasks: dict[str, TaskConfig] | None = None
     """A mixture of tasks trained in one run (docs/tasks.md): name -> {weight, data, env, verifier, rollout,
     modality}. Training prompts interleave by weight, each scored by its own verifier, with metrics and held-out

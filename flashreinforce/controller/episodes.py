@@ -14,6 +14,10 @@ run is a function of its seed; otherwise each result resubmits its episode the m
 
 Images: the prompt's, then each observation's, ride on the row (Generation.images, in placeholder order), so each
 turn's submit hands the engine every image of the row for its prefill, and partials and checkpoints keep them.
+
+Agent episodes (a task of env.kind=agent) are the user's agent calling the model through the endpoint: their
+calls are engine requests of their own (agent_episodes.py); this class routes them there and gives the loop the
+same view of them as of any episode.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from flashreinforce.controller.agent_episodes import AgentEpisodes, Settings
 from flashreinforce.controller.backend import Backend
+from flashreinforce.endpoint.service import Endpoint
+from flashreinforce.envs.agents import AgentPool
 from flashreinforce.envs.pool import EnvOutcome, EnvPool
 from flashreinforce.envs.protocol import StepResult, observation_images
 from flashreinforce.envs.single_turn import TextEpisodes
@@ -59,13 +66,24 @@ class TaskRoute:
     """How the episodes of one task run: single-turn (no renderer) or with its environment, and their budgets."""
 
     renderer: TurnRenderer | None = None
-    """Multi-turn: renders the task's observations; None: single-turn (no environment)."""
+    """Multi-turn: renders the task's observations; None: single-turn (no environment), or an agent."""
     max_turns: int = 1
     reward: RewardSource = "verifier"
+    agent: bool = False
+    """The user's agent runs the episode through the endpoint (env.kind=agent)."""
 
     @property
     def multi_turn(self) -> bool:
-        return self.renderer is not None
+        return self.renderer is not None or self.agent
+
+
+@dataclass(frozen=True)
+class AgentParts:
+    """What agent episodes run on: the endpoint, the agent pool, and how agents reach the endpoint."""
+
+    endpoint: Endpoint
+    pool: AgentPool
+    settings: Settings
 
 
 def opening_row(request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
@@ -86,17 +104,20 @@ class EpisodeBackend:
 
     def __init__(self, inner: Backend, episodes: TextEpisodes, *, pool: EnvPool | None = None,
                  renderer: TurnRenderer | None = None, settings: EpisodeSettings = EpisodeSettings(),
-                 tasks: Mapping[str, TaskRoute] | None = None) -> None:
+                 tasks: Mapping[str, TaskRoute] | None = None, agents: AgentParts | None = None) -> None:
         """One task: `pool` and `renderer` (multi-turn) or neither, with settings' turns and reward. A mixture:
-        `tasks` routes each prompt by its task (the pool holds every multi-turn task's environment)."""
+        `tasks` routes each prompt by its task (the pool holds every multi-turn task's environment). `agents`: what
+        the tasks of agent routes run on."""
         self.inner, self.episodes, self.settings = inner, episodes, settings
         self.pool = pool
         if tasks is None:
             tasks = {"": TaskRoute(renderer or TurnRenderer(episodes.tokenizer, images=episodes.images)
                                    if pool is not None else None,
                                    settings.max_turns, settings.reward)}
-        if pool is None and any(route.multi_turn for route in tasks.values()):
+        if pool is None and any(route.renderer is not None for route in tasks.values()):
             raise ValueError("a multi-turn task needs the environment pool")
+        if agents is None and any(route.agent for route in tasks.values()):
+            raise ValueError("an agent task needs the endpoint and the agent pool")
         self.tasks = dict(tasks)
         self._prompts: dict[str, Prompt] = {}
         self._params: dict[str, SamplingParams] = {}
@@ -120,6 +141,9 @@ class EpisodeBackend:
         self._failure: Exception | None = None
         """An error raised where the loop could not see it (an environment result's callback)."""
         self.counts: dict[str, int] = {}
+        self.agents = None if agents is None else AgentEpisodes(
+            inner, agents.endpoint, agents.pool, agents.settings, on_end=self._agent_ended, empty=self._empty,
+            reward_needed=lambda rid: self.route(rid).reward == "env", wake=self._wake.set)
 
     # ---- delegated --------------------------------------------------------------------------------------
 
@@ -132,21 +156,29 @@ class EpisodeBackend:
         return len(set(self._stepping) - self._held)
 
     @property
+    def _outside_engine(self) -> int:
+        """Episodes in flight outside the engine: at an environment call, or an agent's own work."""
+        return self._live_env_calls + (self.agents.outside_engine if self.agents is not None else 0)
+
+    @property
     def free_slots(self) -> int:
-        return max(0, self.inner.free_slots - self._live_env_calls)
+        return max(0, self.inner.free_slots - self._outside_engine)
 
     @property
     def in_flight(self) -> int:
         wait = self._engine_wait
         taken = len(wait.result()) if wait is not None and wait.done() and not wait.cancelled() \
             and wait.exception() is None else 0  # finished in the engine, not yet collected
-        return self.inner.in_flight + taken + self._live_env_calls + len(self._completed)
+        return self.inner.in_flight + taken + self._outside_engine + len(self._completed)
 
     def stats(self) -> dict[str, float]:
         metrics = self.inner.stats()
         if self.pool is not None:
             metrics.update({f"env/{k}": v for k, v in self.pool.stats().items()})
+        if self.pool is not None or self.agents is not None:
             metrics.update({f"episode/{k}": float(v) for k, v in self.counts.items()})
+        if self.agents is not None:
+            metrics.update(self.agents.stats())
         return metrics
 
     def route(self, rid: str) -> TaskRoute:
@@ -156,6 +188,8 @@ class EpisodeBackend:
     async def close(self) -> None:
         for task in self._stepping.values():
             task.cancel()
+        if self.agents is not None:
+            await self.agents.close()
         await self.inner.close()
 
     # ---- starting ---------------------------------------------------------------------------------------
@@ -168,7 +202,9 @@ class EpisodeBackend:
                            f"(its tasks: {sorted(self.tasks)})")
         self._prompts[request_id], self._params[request_id] = prompt, params
         self._wake.set()  # a finished() waiting with nothing in the engine must see the new work
-        if prefix is not None:
+        if self.tasks[prompt.task].agent:
+            self.agents.start(request_id, prompt, params, prefix)
+        elif prefix is not None:
             self._continue(prefix)
         elif not self.tasks[prompt.task].multi_turn:
             ids = self._single_turn_ids(prompt, tuple(hint_ids))
@@ -292,16 +328,28 @@ class EpisodeBackend:
 
     def _end(self, row: Generation, end: str, finish: FinishReason, detail: str | None = None) -> None:
         self.counts[f"end/{end}"] = self.counts.get(f"end/{end}", 0) + 1
-        if self.pool is not None:
+        if self.pool is not None and not self.route(row.request_id).agent:
             self.pool.close(row.request_id)
         state = replace(row.episode, end=detail or end) if row.episode is not None else None
         self._states.pop(row.request_id, None)
         self._completed.append(replace(row, finish_reason=finish, episode=state))
 
+    def _agent_ended(self, row: Generation, end: str) -> None:
+        """An agent episode ended: counted by why (done, agent_error, agent_timeout, agent_no_calls, ...)."""
+        self._end(row, end.split(":", 1)[0], row.finish_reason, end)
+        segments = len(row.episode.segments) + bool(row.token_ids)
+        self.counts["segments"] = self.counts.get("segments", 0) + segments
+        self.counts["multi_segment"] = self.counts.get("multi_segment", 0) + (segments > 1)
+        self._wake.set()
+
     def _on_turns(self, generations: Sequence[Generation]) -> None:
-        """Turns the engine finished: single-turn rows are done; an episode's turn goes to its environment."""
+        """Turns the engine finished: single-turn rows are done; an episode's turn goes to its environment, an
+        agent's call to its request."""
         for generation in generations:
             rid = generation.request_id
+            if self.agents is not None and self.agents.owns(rid):
+                self.agents.on_generation(generation)
+                continue
             if rid not in self._prompts or not self.route(rid).multi_turn:  # single-turn, or aborted and forgotten
                 self._completed.append(generation)
                 continue
@@ -325,6 +373,9 @@ class EpisodeBackend:
                 raise self._failure
             if self.settings.lockstep and set(self._stepping) - self._held:
                 await self._settle_steps()
+                continue
+            if self.settings.lockstep and self.agents is not None and self.agents.due():
+                await self.agents.settle()
                 continue
             self._wake.clear()
             waiters = [asyncio.ensure_future(self._wake.wait())]
@@ -379,14 +430,15 @@ class EpisodeBackend:
         await asyncio.gather(wait, return_exceptions=True)
 
     async def pause(self) -> tuple[list[Generation], list[Generation]]:
-        """Partials of every episode in flight (environment steps held as pending actions) and ended ones."""
+        """Partials of every episode in flight (environment steps held as pending actions, agent episodes as their
+        records) and ended ones."""
         self._pausing = True
         try:
             partials, done = await self._pause()
         finally:
             self._pausing = False
-        self._first_prompts.update((p.request_id, p) for p in partials
-                                   if not p.token_ids and p.request_id not in self._stepping)
+        self._first_prompts.update((p.request_id, p) for p in partials if not p.token_ids
+                                   and p.request_id not in self._stepping and not self.route(p.request_id).agent)
         return partials, done
 
     async def _pause(self) -> tuple[list[Generation], list[Generation]]:
@@ -404,6 +456,10 @@ class EpisodeBackend:
                 self._end(self._empty(rid), "env_error", "env_error", result.failure)
         engine_partials, finished = await self.inner.pause()
         self._on_turns(finished)
+        if self.agents is not None:
+            calls = [p for p in engine_partials if self.agents.owns(p.request_id)]
+            engine_partials = [p for p in engine_partials if not self.agents.owns(p.request_id)]
+            partials += self.agents.pause(calls)
         partials += [replace(p, episode=self._states.get(p.request_id)) for p in engine_partials]
         for rid in [r for r in self._stepping if r not in self._held]:
             self._held.add(rid)
@@ -414,18 +470,27 @@ class EpisodeBackend:
         return partials, done
 
     async def resume(self, partials: Sequence[Generation]) -> None:
-        """Continue paused episodes under the current weights, in the given order."""
-        engine = [p for p in partials if (p.episode is None or p.episode.pending is None)
-                  and p.request_id not in self._stepping]
+        """Continue paused episodes under the current weights, in the given order (an agent episode paused here
+        goes on; one restored from a checkpoint re-runs its agent over its record)."""
         for partial in partials:
             if partial.request_id not in self._prompts:
                 raise KeyError(f"resume: {partial.request_id} was not started here; restore() it with its prompt")
+        agent = [p for p in partials if self.route(p.request_id).agent]
+        partials = [p for p in partials if not self.route(p.request_id).agent]
+        engine = [p for p in partials if (p.episode is None or p.episode.pending is None)
+                  and p.request_id not in self._stepping]
+        for partial in partials:
             if partial.episode is not None:
                 self._states[partial.request_id] = replace(partial.episode, pending=None)
                 self._reopen(partial)
         for partial in engine:
             self._first_prompts.pop(partial.request_id, None)
         await self.inner.resume(engine)
+        if self.agents is not None:
+            restored = [p for p in agent if not self.agents.is_live(p.request_id)]  # from a checkpoint or an abort
+            await self.agents.resume()
+            for partial in restored:
+                self.agents.start(partial.request_id, self._prompts[partial.request_id], partial.params, partial)
         self._wake.set()
         for partial in partials:
             if partial not in engine:
@@ -443,6 +508,13 @@ class EpisodeBackend:
 
     async def abort(self, request_ids: Sequence[str]) -> list[Generation]:
         """Cancel episodes; their partials come back, their environments are closed (a later start replays)."""
+        agent = {rid: await self.agents.abort(rid) for rid in request_ids
+                 if self.agents is not None and self.agents.is_live(rid)}
+        others = [rid for rid in request_ids if rid not in agent]
+        partials = {**agent, **{p.request_id: p for p in await self._abort(others)}}
+        return [partials[rid] for rid in request_ids if rid in partials]
+
+    async def _abort(self, request_ids: Sequence[str]) -> list[Generation]:
         resets = [rid for rid in request_ids if rid in self._stepping and rid not in self._turns]
         self._held.update(resets)
         for rid in resets:  # a reset is short: let it finish, so the partial holds the first prompt
@@ -476,6 +548,8 @@ class EpisodeBackend:
     def answer_text(self, generation: Generation) -> str:
         """The text a verifier scores: the completion, or an episode's final turn."""
         route = self.route(generation.request_id)
+        if route.agent:
+            return self.agents.answers.get(generation.request_id, "")
         if not route.multi_turn:
             return self.episodes.completion_text(generation)
         return route.renderer.action_text(last_turn(generation))
@@ -488,6 +562,8 @@ class EpisodeBackend:
         prompts = [self._prompts.pop(g.request_id) for g in generations]
         for g in generations:
             self._params.pop(g.request_id, None)
+            if self.agents is not None:
+                self.agents.answers.pop(g.request_id, None)
         asks = [i for i, (g, route) in enumerate(zip(generations, routes))
                 if not route.multi_turn or (route.reward != "env" and g.finish_reason != "env_error"
                                             and g.episode.end != CUT_IN_TOOL_CALL)]
@@ -498,10 +574,11 @@ class EpisodeBackend:
 
 def episode_verdict(state: EpisodeState, verifier: Verdict | None, source: RewardSource) -> Verdict:
     """Combine the environment's rewards and the verifier's verdict per env.reward; a failed environment
-    scores 0 with its reason (env_timeout, env_crash: ..., env_error: ...), and an episode the turn budget cut
+    scores 0 with its reason (env_timeout, env_crash: ..., env_error: ..., and an agent's agent_error: ...,
+    agent_timeout, agent_crash: ...), and an episode the turn budget cut
     in a tool call has no answer for the verifier (0, no_answer): a verifier that falls back to the last number
     of the turn would otherwise reward printing the answer's variable and running out of turns."""
-    if state.end is not None and state.end.startswith("env_"):
+    if state.end is not None and state.end.startswith(("env_", "agent_")):
         return Verdict(reward=0.0, passed=False, reason=state.end)
     if state.end == CUT_IN_TOOL_CALL and source != "env":
         verifier = NO_ANSWER

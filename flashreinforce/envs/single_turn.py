@@ -73,7 +73,9 @@ def to_trajectory(
     verdict: Verdict,
     hint_length: int = 0,
 ) -> Trajectory:
-    """Prompt ids + generation -> one aligned row (prompt positions: mask 0, logprob 0, FORCED_VERSION)."""
+    """Prompt ids + generation -> one aligned row (prompt positions: mask 0, logprob 0, FORCED_VERSION); an agent
+    episode's other segments (EpisodeState.segments) become its `segments`, rows of the same key and verdict."""
+    segments = generation.episode.segments if generation.episode is not None else ()
     prompt_length = len(generation.prompt_ids)
     return Trajectory(
         key=key,
@@ -91,4 +93,5 @@ def to_trajectory(
         routes=generation.routes,
         stale_context=generation.stale_context,
         images=generation.images,
+        segments=tuple(to_trajectory(key, prompt, group, segment, verdict) for segment in segments),
     )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from flashreinforce.algorithms.losses import LOSSES
 from flashreinforce.config import RunConfig
 from flashreinforce.controller.backend import Backend
-from flashreinforce.controller.episodes import EpisodeBackend, EpisodeSettings, TaskRoute
+from flashreinforce.controller.episodes import AgentParts, EpisodeBackend, EpisodeSettings, TaskRoute
 from flashreinforce.controller.local import LocalBackend
 from flashreinforce.envs.pool import EnvPool, ProcessWorker, WorkerLink
 from flashreinforce.envs.protocol import EnvSpec, resolve_env_class
@@ -26,6 +26,7 @@ from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.rollout.vllm_engine import SETUP_HINT
 from flashreinforce.run.data import Data
+from flashreinforce.run.endpoint import check_endpoint
 from flashreinforce.run.engines import ENGINES, EngineShape, build_engine
 from flashreinforce.run.learner import build_rank_trainer, build_trainer, start_trainer
 from flashreinforce.run.policy import Policy
@@ -129,7 +130,7 @@ def build_episodes(config: RunConfig, tokenizer: Any, model: Any = None) -> Text
 def env_specs(config: RunConfig) -> dict[str, EnvSpec]:
     """Each multi-turn task's environment, by task name ("" for a one-task run's)."""
     return {name: EnvSpec(kind=task.env.kind, options=dict(task.env.options))
-            for name, task in config.task_list() if task.env.multi_turn}
+            for name, task in config.task_list() if task.env.multi_turn and not task.env.is_agent}
 
 
 def build_env_pool(config: RunConfig, start_worker: Callable[[], WorkerLink] = ProcessWorker) -> EnvPool | None:
@@ -146,13 +147,14 @@ def build_env_pool(config: RunConfig, start_worker: Callable[[], WorkerLink] = P
 
 
 def build_episode_backend(config: RunConfig, backend: Backend, episodes: TextEpisodes, env_pool: EnvPool | None,
-                          max_context: int) -> EpisodeBackend:
-    """Episodes over the backend, each task's single-turn or over env_pool with its own turn budget, reward and
-    observation rendering."""
+                          max_context: int, agents: AgentParts | None = None) -> EpisodeBackend:
+    """Episodes over the backend, each task's single-turn, over env_pool with its own turn budget, reward and
+    observation rendering, or its agent's through the endpoint (`agents`, run/endpoint.py)."""
     routes = {name: TaskRoute(renderer_for(config.for_task(name), episodes.tokenizer, episodes.images)
-                              if task.env.multi_turn else None, task.env.max_turns, task.env.reward)
+                              if task.env.multi_turn and not task.env.is_agent else None, task.env.max_turns,
+                              task.env.reward, agent=task.env.is_agent)
               for name, task in config.task_list()}
-    return EpisodeBackend(backend, episodes, pool=env_pool, tasks=routes,
+    return EpisodeBackend(backend, episodes, pool=env_pool, tasks=routes, agents=agents,
                           settings=EpisodeSettings(max_context=max_context, lockstep=config.deterministic))
 
 
@@ -202,6 +204,7 @@ def check_buildable(config: RunConfig) -> None:
         raise ValueError(f"rollout.engine=vllm needs vLLM, which this Python cannot import: {SETUP_HINT}")
     for spec in env_specs(config).values():
         resolve_env_class(spec)  # an unknown kind, a missing extra or a bad user file fails now
+    check_endpoint(config)
     if config.trainer.lora is not None:
         from flashreinforce.trainer.lora import require_peft
 

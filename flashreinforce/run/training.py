@@ -40,6 +40,7 @@ from flashreinforce.run.backends import (
 )
 from flashreinforce.run.data import Data, load_data
 from flashreinforce.run.directory import create_run_dir, read_json, write_json_atomic
+from flashreinforce.run.endpoint import build_agent_parts, start_agent_parts
 from flashreinforce.run.engines import check_tiny_context, engine_shape, model_context, rollout_params
 from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
 from flashreinforce.run.policy import Policy, build_policy, load_policy, seed_everything
@@ -112,6 +113,8 @@ class RunParts:
     sink: MetricsSink
     trainer: Any
     backend: EpisodeBackend
+    agents: Any = None
+    """The endpoint's parts and server (run/endpoint.py), when the run serves it."""
 
 
 def starting_point(config: RunConfig, run_dir: Path, data: Data, resume: bool, reporter: Reporter,
@@ -152,11 +155,13 @@ def open_parts(config: RunConfig, run_dir: Path, data: Data, start: Start, resum
     env_pool = build_env_pool(config, opened.env_workers)
     if env_pool is not None:
         stack.push_async_callback(env_pool.aclose)
-    backend = build_episode_backend(config, opened.backend, episodes, env_pool, shape.context)
+    agents = build_agent_parts(config, start.policy.tokenizer, shape.context, stack)
+    backend = build_episode_backend(config, opened.backend, episodes, env_pool, shape.context,
+                                    agents[0] if agents is not None else None)
     stack.push_async_callback(backend.close)
     if start.trainer_state is not None:
         opened.trainer.load_state_dict(start.trainer_state)
-    return RunParts(config, run_dir, data, episodes, scheduler, opened.pool, sink, opened.trainer, backend)
+    return RunParts(config, run_dir, data, episodes, scheduler, opened.pool, sink, opened.trainer, backend, agents)
 
 
 async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Reporter,
@@ -171,6 +176,7 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
         parts = open_parts(config, run_dir, data, start, resume, stack, stage)
         if parts.backend.pool is not None:
             await parts.backend.pool.start()  # an environment that cannot be built fails here, saying why
+        await start_agent_parts(parts.agents, run_dir)  # the endpoint and agent workers, when the run has them
         held_out = HeldOut(config, parts.backend, parts.episodes, data.eval)
         initial = await initial_evaluation(parts, held_out, reporter)
         writer = CheckpointWriter(config, run_dir, parts.backend, parts.trainer,

@@ -39,6 +39,8 @@ class TrainBatch:
     stale_context: torch.Tensor | None = None  # (B,) bool: some token sampled over KV of older weights
     routes: torch.Tensor | None = None  # (B, T, layers, k) int16 MoE routes of the rollout, -1 none; None: dense
     images: tuple[tuple[bytes, ...], ...] = ()  # each row's encoded images (prompt's, observations'); () if none
+    episode_ids: torch.Tensor | None = None  # (B,) long: rows of one agent episode (its segments) share an id; None
+    # when every row is its own episode
 
     @property
     def num_rows(self) -> int:
@@ -145,7 +147,15 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         stale_context=torch.tensor([t.stale_context for t in trajectories], dtype=torch.bool),
         routes=_collate_routes(trajectories, width),
         images=tuple(t.images for t in trajectories) if any(t.images for t in trajectories) else (),
+        episode_ids=_index(t.key for t in trajectories) if len({t.key for t in trajectories}) < rows else None,
     )
+
+
+def first_rows(ids: torch.Tensor) -> torch.Tensor:
+    """The first row of each id, for ids 0..E-1 in order of first appearance: [0, 1, 0, 2] -> [0, 1, 3]."""
+    rows = torch.arange(ids.numel(), device=ids.device)
+    first = torch.full((int(ids.max()) + 1,), ids.numel(), dtype=torch.long, device=ids.device)
+    return first.scatter_reduce(0, ids, rows, reduce="amin")
 
 
 def _index(names) -> torch.Tensor:

@@ -326,8 +326,8 @@ def _judge(frame: dict, tests: CodeTests, settings: RunSettings) -> TestResult:
     if tests.kind == "asserts":
         return _judge_assert(frame, tests.judged[frame["test"]], settings)
     output = binascii.a2b_base64(frame.get("output", "")).decode("utf-8", errors="replace")
-    if frame["status"] != "ok":
-        return TestResult(False, _why(frame, settings), output, signs=_ending_signs(frame))
+    if frame["status"] != "ok":  # a script may exit or die of a signal: only a BaseException is a sign here
+        return TestResult(False, _why(frame, settings), output, signs=_ending_signs(frame, exits=False))
     if _lines(output) != _lines(tests.expected[frame["test"]]):
         return TestResult(False, "wrong output", output)
     return TestResult(True, "", output)
@@ -345,10 +345,10 @@ def _judge_assert(frame: dict, judged: JudgedTest | None, settings: RunSettings)
     return TestResult(passed, why, signs=signs(outcomes))
 
 
-def _ending_signs(frame: dict) -> frozenset[str]:
-    """The hacking watch's signs of how a test or the program ended: it exited (or killed itself), or a
-    BaseException that is not an error ended it."""
-    if frame["status"] in ("exit", "killed"):
+def _ending_signs(frame: dict, exits: bool = True) -> frozenset[str]:
+    """The hacking watch's signs of how a test or the program ended: it exited (or killed itself) where it should
+    have returned (`exits`), or a BaseException that is not an error ended it."""
+    if exits and frame["status"] in ("exit", "killed"):
         return frozenset({"exited_early"})
     return frozenset({"base_exception"}) if frame.get("base") is True else frozenset()
 

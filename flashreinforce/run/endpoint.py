@@ -1,0 +1,100 @@
+"""The endpoint of a run: the OpenAI-compatible server over its engine, and the agent pool of its agent tasks.
+
+Built (nothing started) by `build_agent_parts` when a task has env.kind=agent or endpoint.serve is set; started
+by `start_agent_parts`, which binds the server (loopback by default), writes endpoint.json (its URL and key, readable
+by the owner only) into the run directory, and starts the agent workers. The stack closes both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from flashreinforce.config import RunConfig
+from flashreinforce.controller.agent_episodes import Settings
+from flashreinforce.controller.episodes import AgentParts
+from flashreinforce.endpoint.chat import CHAT_TEMPLATES
+from flashreinforce.endpoint.service import Endpoint
+from flashreinforce.envs.agents import AgentPool
+
+EXTRA_HINT = "pip install -e '.[endpoint]' (aiohttp serves the endpoint, openai is the agents' client)"
+
+
+def agent_functions(config: RunConfig) -> dict[str, str]:
+    """Each agent task's agent, by task name ("" in a one-task run)."""
+    return {name: task.env.agent for name, task in config.task_list() if task.env.is_agent}
+
+
+def serves_endpoint(config: RunConfig) -> bool:
+    return config.endpoint.serve or bool(agent_functions(config))
+
+
+def check_endpoint(config: RunConfig) -> None:
+    """Before any work: the extra is installed, and a template file given exists."""
+    if not serves_endpoint(config):
+        return
+    missing = [name for name in ("aiohttp", "openai") if importlib.util.find_spec(name) is None]
+    if missing:
+        why = "env.kind=agent" if agent_functions(config) else "endpoint.serve=true"
+        raise ValueError(f"{why} needs {' and '.join(missing)}: {EXTRA_HINT}")
+    chat_template(config)
+
+
+def chat_template(config: RunConfig) -> str | None:
+    """endpoint.chat_template as Jinja text: None (the tokenizer's), a name of CHAT_TEMPLATES, or a file."""
+    given = config.endpoint.chat_template
+    if given is None or given in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES.get(given)
+    path = Path(given)
+    if not path.is_file():
+        raise ValueError(f"endpoint.chat_template={given!r} is neither one of {sorted(CHAT_TEMPLATES)} nor a file")
+    return path.read_text()
+
+
+def model_name(config: RunConfig) -> str:
+    """The model id /v1/models lists (requests may name any model: there is one)."""
+    return Path(config.model.path).name if config.model.path else f"flashreinforce-{config.name}"
+
+
+def build_agent_parts(config: RunConfig, tokenizer: Any, context: int,
+                      stack: contextlib.AsyncExitStack) -> tuple[AgentParts, Any] | None:
+    """The endpoint, its server and the agent pool (not started), and the server; None when the run serves none."""
+    if not serves_endpoint(config):
+        return None
+    from flashreinforce.endpoint.server import EndpointServer  # the endpoint extra, checked by check_endpoint
+
+    options = config.endpoint
+    endpoint = Endpoint(tokenizer, runner=None, model_name=model_name(config), max_context=context,
+                        max_new_tokens=config.rollout.max_new_tokens, chat_template=chat_template(config),
+                        max_pending=options.max_pending_calls)
+    server = EndpointServer(endpoint, api_key=options.api_key or secrets.token_urlsafe(24), host=options.host,
+                            port=options.port)
+    stack.push_async_callback(server.stop)
+    envs = [task.env for _, task in config.task_list() if task.env.is_agent] or [config.env]
+    pool = AgentPool(agent_functions(config), timeout_s=max(env.agent_timeout_s for env in envs),
+                     min_workers=max(env.min_workers for env in envs),
+                     max_workers=max(max(env.min_workers, env.max_workers) for env in envs))
+    stack.push_async_callback(pool.aclose)
+    settings = Settings(base_url=server.base_url, api_key=server.api_key, lockstep=config.deterministic)
+    return AgentParts(endpoint, pool, settings), server
+
+
+async def start_agent_parts(parts: tuple[AgentParts, Any] | None, run_dir: Path) -> None:
+    """Bind the server, write endpoint.json, start the agent workers (an agent that cannot be imported fails
+    here, saying why)."""
+    if parts is None:
+        return
+    agents, server = parts
+    await server.start()
+    path = run_dir / "endpoint.json"
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the key: its owner only
+    with os.fdopen(descriptor, "w") as file:
+        json.dump({"base_url": server.base_url(), "episode_base_url": server.base_url("<episode>"),
+                   "api_key": server.api_key, "model": agents.endpoint.model_name}, file, indent=2)
+    if agents.pool.functions:
+        await agents.pool.start()
