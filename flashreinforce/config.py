@@ -473,14 +473,21 @@ class OverlongConfig(_Section):
 
 class WPSMConfig(_Section):
     tau: float
-    """Group accuracy above which responses may be flagged well-learned (strict >)."""
+    """Success rate of a query above which its responses may be flagged well-learned (strict >)."""
     eta: float
-    """Mean token entropy below which a response of such a group is flagged (strict <)."""
+    """Mean token entropy below which a response of such a query is flagged (strict <)."""
     alpha: float = Field(1.0, ge=0, le=1)
     """Masked fraction of a flagged response's weight (1 masks it completely)."""
-    positive_only: bool = True
-    """Only rows with a positive advantage (within their task, in a mixture) can be flagged: confident wrong answers
-    keep their negative gradient."""
+    rate: Literal["query", "group"] = "query"
+    """query (ERNIE eq. 4): each prompt's success rate over every rollout of it trained so far (steps, epochs and
+    stages, this step's included; kept in checkpoints), so one rollout a prompt works; group: the current group's
+    accuracy alone (a departure: with one rollout a prompt, the row's own result)."""
+    min_rollouts: int = Field(2, ge=1)
+    """rate=query: a prompt with fewer rollouts counted so far is never flagged (one result is not a rate)."""
+    positive_only: bool = False
+    """Only rows with a positive advantage (within their task, in a mixture) can be flagged, so confident wrong
+    answers keep their negative gradient: a departure from eq. 4, which flags right and wrong alike (under a group
+    baseline it leaves a mastered group's wrong answers pushing alone)."""
 
 
 class HintConfig(_Section):
@@ -590,6 +597,12 @@ class TrainerConfig(_Section):
     """Global gradient-norm clip (math.inf disables it)."""
     microbatch_size: int = Field(64, ge=1)
     """Most rows per forward/backward; gradients accumulate with global normalization."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per learner batch (PPO-style mini-batches, as verl's and OpenRLHF's): the batch's prompt
+    groups are split into this many parts, each trained as one step against the log-probs the weights had before
+    the first (theta_old), so the clip ranges (GSPO's, MISC's, PPO's) act from the second on. Advantages come from
+    the whole batch; each part's loss is normalized over its own rows and tokens. The policy version, the weight
+    push and the lr schedule advance once a batch."""
     microbatch_tokens: int | None = Field(None, ge=1)
     """Token budget of a microbatch: its rows x longest row (padding included) stays within it; a longer
     row gets a microbatch of its own. The learner batch is sorted by length first, so with a budget short
@@ -940,11 +953,12 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _wpsm_can_flag(self) -> RunConfig:
-        """WPSM with positive_only flags positive rows of groups whose accuracy passes tau. Under a group baseline an
-        all-correct group's advantages are 0, so some group of G with accuracy in (tau, 1) must exist."""
+        """WPSM with positive_only and the group rate flags positive rows of groups whose accuracy passes tau. Under a
+        group baseline an all-correct group's advantages are 0, so some group of G with accuracy in (tau, 1) must
+        exist."""
         wpsm, size = self.algo.wpsm, self.scheduler.group_size
-        if (wpsm is not None and wpsm.positive_only and self.algo.loss not in SINGLE_ROLLOUT_LOSSES
-                and (size - 1) / size <= wpsm.tau):
+        if (wpsm is not None and wpsm.positive_only and wpsm.rate == "group"
+                and self.algo.loss not in SINGLE_ROLLOUT_LOSSES and (size - 1) / size <= wpsm.tau):
             raise ValueError(f"algo.wpsm can never flag a row: with algo.loss={self.algo.loss} a group of "
                              f"scheduler.group_size={size} whose accuracy passes tau={wpsm.tau} is all correct, "
                              f"and its advantages are 0; raise group_size above {1 / (1 - wpsm.tau):g} or lower tau")

@@ -22,7 +22,7 @@ from flashreinforce.algorithms.losses import LOSSES, LossSpec
 from flashreinforce.algorithms.mismatch import MISMATCH_MODES, mismatch_weights
 from flashreinforce.algorithms.objectives import ClipOptions, FlashReinforceOptions, MiscOptions
 from flashreinforce.algorithms.passk import avg_at_k, pass_at_k
-from flashreinforce.algorithms.wpsm import mean_token_entropy, wpsm_flags, wpsm_weights
+from flashreinforce.algorithms.wpsm import QuerySuccess, mean_token_entropy, wpsm_flags, wpsm_weights
 
 __all__ = [
     "AGGREGATIONS",
@@ -48,6 +48,7 @@ __all__ = [
     "mean_token_entropy",
     "mismatch_weights",
     "overlong_penalty",
+    "QuerySuccess",
     "pass_at_k",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",

@@ -98,8 +98,11 @@ def mismatch_weights(
     icepop_band: tuple[Bound, Bound],
     icepop_weight: str,
     geo_rs_band: tuple[float, float],
+    seq_icepop_band: tuple[float, float] | None = None,
 ) -> Tensor:
-    """The (b, T) weights of one MISMATCH_MODES entry; "none" gives the loss mask as 0/1 weights."""
+    """The (b, T) weights of one MISMATCH_MODES entry; "none" gives the loss mask as 0/1 weights. seq_icepop judges
+    `seq_icepop_band` (a geometric mean over a row lies far closer to 1 than its tokens' ratios; None: the token
+    band)."""
     if mode == "none":
         return mask.to(log_rho.dtype)
     if mode == "tis":
@@ -113,7 +116,7 @@ def mismatch_weights(
     if mode == "icepop":
         return icepop_weights(log_rho, mask, *icepop_band, icepop_weight)
     if mode == "seq_icepop":
-        return seq_icepop_weights(log_rho, mask, *icepop_band, icepop_weight)
+        return seq_icepop_weights(log_rho, mask, *(seq_icepop_band or icepop_band), icepop_weight)
     if mode == "geo_rs":
         return geo_rs_weights(log_rho, mask, *geo_rs_band)
     raise ValueError(f"mismatch={mode!r} is not one of {MISMATCH_MODES}")

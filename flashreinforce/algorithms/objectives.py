@@ -57,7 +57,11 @@ class ClipOptions:
     mismatch_cap: float = 2.0
     """C of tis / seq_tis / mis / seq_mis (slime's --tis-clip default)."""
     icepop_band: tuple[float, float] = (0.5, 5.0)
-    """Inclusive [alpha, beta] band of icepop / seq_icepop (IcePop's values)."""
+    """Inclusive [alpha, beta] band of icepop on each token's rho (IcePop's values)."""
+    seq_icepop_band: tuple[float, float] = (0.99, 1.01)
+    """Inclusive band of seq_icepop (ERNIE eq. 2) on each row's geometric-mean rho, its own setting: a mean over a
+    row's tokens lies far closer to 1 than the tokens' ratios do, so IcePop's token band [0.5, 5] never removes a
+    row. Set it from the run's mismatch/seq_ratio_* metrics (the rows' geometric means: min, p01, p50, p99, max)."""
     icepop_weight: str = "ratio"
     """ratio: an in-band token weighs rho (IcePop); binary: it weighs 1 (token rejection sampling)."""
     geo_rs_band: tuple[float, float] = (0.999, 1.001)
@@ -71,6 +75,7 @@ class ClipOptions:
         if not _is_number(self.mismatch_cap) or not 0 < self.mismatch_cap < math.inf:
             raise ValueError(f"option mismatch_cap={self.mismatch_cap!r} must be a finite number > 0")
         _check_band("icepop_band", self.icepop_band)
+        _check_band("seq_icepop_band", self.seq_icepop_band)
         _check_band("geo_rs_band", self.geo_rs_band)
 
 
@@ -262,7 +267,8 @@ class _Slice:
 
 def _mismatch(o: ClipOptions, x: _Slice) -> Tensor:
     return mismatch_weights(o.mismatch, x.log_rho, x.mask, cap=o.mismatch_cap, icepop_band=o.icepop_band,
-                            icepop_weight=o.icepop_weight, geo_rs_band=o.geo_rs_band)
+                            icepop_weight=o.icepop_weight, geo_rs_band=o.geo_rs_band,
+                            seq_icepop_band=o.seq_icepop_band)
 
 
 def _finish(

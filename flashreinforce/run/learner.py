@@ -77,8 +77,9 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
         task_temperatures=task_temperatures(config),
         max_new_tokens=max(config.for_task(name).rollout.max_new_tokens for name, _ in config.task_list()),
         overlong=OverlongShaping(algo.overlong.max_length, algo.overlong.cache) if algo.overlong else None,
-        wpsm=(WPSMSettings(algo.wpsm.tau, algo.wpsm.eta, algo.wpsm.alpha, algo.wpsm.positive_only)
-              if algo.wpsm else None),
+        wpsm=(WPSMSettings(algo.wpsm.tau, algo.wpsm.eta, algo.wpsm.alpha, algo.wpsm.positive_only, algo.wpsm.rate,
+                           algo.wpsm.min_rollouts) if algo.wpsm else None),
+        minibatches=trainer.minibatches,
         numerics=side_numerics(config, "trainer"),
         router_replay=trainer.router_replay,
         lora=lora_settings(config),

@@ -217,7 +217,7 @@ def loop_settings(config: RunConfig, last_step: int) -> LoopSettings:
 async def initial_evaluation(parts: RunParts, held_out: HeldOut, reporter: Reporter) -> dict[str, Any]:
     """The held-out score before RL: measured once, kept in initial_eval.json for a resumed run."""
     initial = await evaluation_once(parts, held_out, parts.run_dir / "initial_eval.json",
-                                    reporter.status("held-out evaluation before RL"))
+                                    reporter.status("held-out evaluation before RL"), redo_after_steps=False)
     reporter.note(f"before RL: {initial['describe']}")
     return initial
 
@@ -230,24 +230,27 @@ async def final_evaluation(parts: RunParts, held_out: HeldOut, last_eval: dict[s
     if config.trainer.steps and config.eval.every and last_step % config.eval.every == 0:
         return last_eval
     final = await evaluation_once(parts, held_out, parts.run_dir / "final_eval.json",
-                                  reporter.status("held-out evaluation after RL"))
+                                  reporter.status("held-out evaluation after RL"), redo_after_steps=True)
     reporter.note(f"after RL: {final['describe']}")
     return final["metrics"]
 
 
-async def evaluation_once(parts: RunParts, held_out: HeldOut, path: Path,
-                          status: contextlib.AbstractContextManager) -> dict[str, Any]:
-    """A held-out evaluation at the trainer's version, done once whatever kills and resumes come: its result is
-    kept in `path` first, then logged, and a resume logs a kept result only if its row is not there yet."""
+async def evaluation_once(parts: RunParts, held_out: HeldOut, path: Path, status: contextlib.AbstractContextManager,
+                          *, redo_after_steps: bool) -> dict[str, Any]:
+    """A held-out evaluation done once whatever kills and resumes come: its result is kept in `path` first, then
+    logged at the version it was taken at, and a resume logs a kept result only if its row is not there yet. One
+    kept at another version than the trainer's is taken again when `redo_after_steps` (a final evaluation after
+    more steps), else kept (the evaluation before RL of a run resumed later on)."""
     version = parts.trainer.version
     kept = read_json(path)
-    if kept is None or kept.get("version", version) != version:
+    if kept is None or (redo_after_steps and kept.get("version") != version):
         with status:
             report = await held_out.report()
         kept = {"version": version, "metrics": report.metrics(), "describe": report.describe()}
         write_json_atomic(path, kept)
-    if not parts.sink.has_evaluation(version):
-        parts.sink.log(version, kept["metrics"])
+    taken_at = kept.get("version")  # None: kept by an older run, which logged it itself
+    if taken_at is not None and not parts.sink.has_evaluation(taken_at):
+        parts.sink.log(taken_at, kept["metrics"])
     return kept
 
 

@@ -20,13 +20,14 @@ import torch
 from flashreinforce.algorithms import LOSSES, GlobalNorm, LossInputs
 from flashreinforce.algorithms.dapo import overlong_penalty
 from flashreinforce.algorithms.advantages import single_row_tasks, within_tasks
-from flashreinforce.algorithms.wpsm import mean_token_entropy, wpsm_flags, wpsm_weights
+from flashreinforce.algorithms.wpsm import QuerySuccess, mean_token_entropy, wpsm_flags, wpsm_weights
 from flashreinforce.models.causal_lm import disable_dropout
 from flashreinforce.models.logprobs import first_marked, token_logprobs
 from flashreinforce.models.moe import RouteRecorder, RouteReplay, route_shape, set_mismatch
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.trainer.batching import TrainBatch, collate, first_rows
 from flashreinforce.trainer.distributed import Shard
+from flashreinforce.trainer.minibatches import OldPass, minibatch_rows, part_norm
 from flashreinforce.trainer.lora import LoraAdapter, LoraSettings, attach_lora
 from flashreinforce.trainer.mismatch_stats import MismatchTally
 from flashreinforce.trainer.optim import build_optimizer
@@ -56,7 +57,10 @@ class WPSMSettings:
     tau: float
     eta: float
     alpha: float
-    positive_only: bool
+    positive_only: bool = False
+    rate: str = "query"
+    """query: each prompt's success rate over all its rollouts trained so far (eq. 4); group: the current group's."""
+    min_rollouts: int = 2
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,7 @@ class Trainer:
         max_new_tokens: int,
         overlong: OverlongShaping | None = None,
         wpsm: WPSMSettings | None = None,
+        minibatches: int = 1,
         numerics: Numerics | None = None,
         router_replay: bool = True,
         lora: LoraSettings | None = None,
@@ -154,6 +159,9 @@ class Trainer:
         self.max_new_tokens = max_new_tokens
         self.overlong = overlong
         self.wpsm = wpsm
+        self.query_success = QuerySuccess()
+        """WPSM's per-query success counts (rate=query), kept in the checkpoint and carried across stages."""
+        self.minibatches = minibatches
         self.router_replay = router_replay
         self.version = 0
 
@@ -182,47 +190,85 @@ class Trainer:
         return self.masters.shadow if isinstance(self.masters, ShardedMasters) else self.model
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        """Train on one learner batch; returns flat metrics. Increments `version`."""
+        """Train on one learner batch (trainer.minibatches optimizer steps); returns flat metrics. Increments
+        `version` once."""
         started = time.perf_counter()
         # Rows sorted by length make each microbatch nearly pad-free (measured: 0.45 s -> 0.27 s per step on the
         # default recipe) and let a token budget pack them. Normalization is global, so the order of rows
         # changes nothing but float rounding.
         # An agent episode of several segments trains each as a row (Trajectory.rows).
+        rollouts = trajectories
         trajectories = sorted((row for t in trajectories for row in t.rows()), key=lambda t: len(t.tokens))
         batch = collate(trajectories, self.pad_token_id, self.task_temperatures).to(self.device)
-        targets = self._targets(batch)  # on the whole batch, on every rank
+        targets = self._targets(batch, rollouts, trajectories)  # on the whole batch, on every rank
         self.model.train()
-        self.model.zero_grad(set_to_none=True)  # the model's, not only the masters': a failed step's bf16 grads
         tally = _Tally()
-        own = self.shard.rows(batch.num_rows)
-        micros = list(batch.select(own).microbatches(self.microbatch_size, self.microbatch_tokens)
-                      if own.numel() else ())
-        # Sharded, every forward and backward is a collective: each rank runs as many as the busiest (agreed on
-        # before the first, as collectives must come in the same order on every rank).
-        idle = max(self.shard.gather(len(micros))) - len(micros) if self.sharded else 0
-        for start, micro in micros:
-            self._backward(micro, own[start: start + micro.num_rows].to(self.device), targets, tally)
-        for _ in range(idle):
-            self._idle_backward(batch.rows(0, 1))
+        splits = minibatch_rows(batch.group_ids, self.minibatches)
+        parts = [self._own_microbatches(batch, rows) for rows in splits]
+        # theta_old of the parts after the first, before any step moves the weights (the first part's forward is
+        # at theta_old itself)
+        old = [[None] * len(parts[0])] + [self._old_pass(batch, part, tally) for part in parts[1:]]
+        grad_norms = [self._train_part(batch, rows, part, cached, targets, tally, share=1 / len(parts))
+                      for rows, part, cached in zip(splits, parts, old)]
+        lr = self._advance()
         tally = _Tally.merged(self.shard.gather(tally))
-        grad_norm, lr = self._optimizer_step()
-        metrics = {"optim/grad_norm": grad_norm, "optim/lr": lr, **_batch_metrics(batch, trajectories, targets),
+        metrics = {"optim/grad_norm": sum(grad_norms) / len(grad_norms), "optim/lr": lr,
+                   **_batch_metrics(batch, trajectories, targets),
                    **tally.metrics(targets.norm.num_tokens), "time/train_seconds": time.perf_counter() - started,
                    **tally.group_metrics({"task": list(dict.fromkeys(t.prompt.task for t in trajectories)),
                                           "modality": list(dict.fromkeys(t.prompt.modality for t in trajectories))},
                                          wpsm=self.wpsm is not None)}
+        if len(parts) > 1:
+            metrics.update({"optim/minibatches": float(len(parts)), "optim/grad_norm_max": max(grad_norms)})
         if self.wpsm is not None:
             metrics["wpsm/flagged_fraction"] = tally.wpsm_flagged / batch.num_rows
         metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
         metrics.update(tally.mismatch.metrics(self._gate_delta()))
         return metrics
 
+    def _own_microbatches(self, batch: TrainBatch, rows: torch.Tensor) -> list[tuple[torch.Tensor, TrainBatch]]:
+        """This rank's share of the rows (of one mini-batch) as microbatches, each with its rows' indices in
+        `batch`."""
+        own = rows[self.shard.rows(rows.numel()).to(rows.device)]
+        if not own.numel():
+            return []
+        return [(own[start: start + micro.num_rows].to(self.device), micro)
+                for start, micro in batch.select(own).microbatches(self.microbatch_size, self.microbatch_tokens)]
+
+    def _idle_passes(self, micros: Sequence[Any]) -> int:
+        """Sharded, every forward and backward is a collective: each rank runs as many as the busiest (agreed on
+        before the first, as collectives must come in the same order on every rank)."""
+        return max(self.shard.gather(len(micros))) - len(micros) if self.sharded else 0
+
+    @torch.no_grad()
+    def _old_pass(self, batch: TrainBatch, micros: list[tuple[torch.Tensor, TrainBatch]],
+                  tally: _Tally) -> list[OldPass]:
+        """theta_old's log-probs and entropies of a later mini-batch's microbatches, before any step of the batch."""
+        passes = [OldPass(*(t.detach() for t in self._policy_forward(micro, tally))) for _, micro in micros]
+        for _ in range(self._idle_passes(micros)):
+            self._idle_forward(batch.rows(0, 1))
+        return passes
+
+    def _train_part(self, batch: TrainBatch, rows: torch.Tensor, micros: list[tuple[torch.Tensor, TrainBatch]],
+                    old: Sequence[OldPass | None], targets: _Targets, tally: _Tally, share: float) -> float:
+        """One optimizer step on one mini-batch, `rows` of the batch (all of them when there is one mini-batch),
+        this rank's share of them in `micros`; returns the step's gradient norm."""
+        self.model.zero_grad(set_to_none=True)  # the model's, not only the masters': a failed step's bf16 grads
+        norm = part_norm(targets.norm, batch.loss_mask, rows)
+        for (micro_rows, micro), cached in zip(micros, old):
+            self._backward(micro, micro_rows, targets, norm, tally, cached, share)
+        for _ in range(self._idle_passes(micros)):
+            self._idle_backward(batch.rows(0, 1))
+        return self._apply_gradients()
+
     def _gate_delta(self) -> float | None:
         """The FlashREINFORCE trust-region delta, None for other losses (they have no sequence gate)."""
         return float(self.loss_options["delta"]) if "delta" in self.loss_options else None
 
-    def _targets(self, batch: TrainBatch) -> _Targets:
-        """What the loss needs from the WHOLE batch, before it is split: shaped rewards, advantages, normalizers."""
+    def _targets(self, batch: TrainBatch, rollouts: Sequence[Trajectory], rows: Sequence[Trajectory]) -> _Targets:
+        """What the loss needs from the WHOLE batch, before it is split: shaped rewards, advantages, normalizers,
+        and for WPSM each row's query success rate (after counting this batch's `rollouts`; `rows`: the batch's
+        rows, one per trajectory or episode segment)."""
         rewards = batch.rewards
         if self.overlong is not None:
             # The generated length, not the trained one: april's mask_offpolicy un-trains a resumed row's prefix.
@@ -235,8 +281,18 @@ class Trainer:
                           per_row_baselines=self.advantage_options.get("baseline") == "task")
         if self.wpsm is None:
             return _Targets(rewards, advantages, norm, None, None)
-        return _Targets(rewards, advantages, norm, _group_accuracy(batch),
+        return _Targets(rewards, advantages, norm, self._query_accuracy(batch, rollouts, rows),
                         self._advantages_within_tasks(batch, rewards, token_counts, advantages))
+
+    def _query_accuracy(self, batch: TrainBatch, rollouts: Sequence[Trajectory],
+                        rows: Sequence[Trajectory]) -> torch.Tensor:
+        """(B,) WPSM's acc_x^t of each row: its prompt's success rate over every rollout of it trained so far, this
+        batch's included (each rollout counted once, however many segments it has), or its group's accuracy."""
+        if self.wpsm.rate == "group":
+            return _group_accuracy(batch)
+        self.query_success.add([t.key.prompt_id for t in rollouts], [t.verdict.passed for t in rollouts])
+        return self.query_success.rates([t.key.prompt_id for t in rows],
+                                        min_rollouts=self.wpsm.min_rollouts).to(batch.rewards.device)
 
     def _advantages(self, batch: TrainBatch, rewards: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
         """(B,) each row's advantage. The segments of an agent episode count once, as the rollout they are: the
@@ -264,24 +320,35 @@ class Trainer:
                                         **self.advantage_options)
         return within_tasks(alone, batch.task_ids, rewards, batch.group_ids, token_counts)
 
-    def _backward(self, micro: TrainBatch, rows: torch.Tensor, targets: _Targets, tally: _Tally) -> None:
-        """Forward and backward of one microbatch: its share of the batch loss, gradients accumulated."""
-        logprobs, entropies = self._policy_forward(micro, tally)
-        entropies = entropies.detach()
+    def _backward(self, micro: TrainBatch, rows: torch.Tensor, targets: _Targets, norm: GlobalNorm, tally: _Tally,
+                  old: OldPass | None = None, share: float = 1.0) -> None:
+        """Forward and backward of one microbatch: its share of its mini-batch's loss, gradients accumulated.
+        `old`: theta_old's log-probs and entropies (a later mini-batch); None: this forward is at theta_old."""
+        logprobs, entropies = self._policy_forward(micro, tally if old is None else None)
+        if old is None:
+            old = OldPass(logprobs.detach(), entropies.detach())
         weights = flags = None
         if self.wpsm is not None:
-            flags = wpsm_flags(mean_token_entropy(entropies, micro.loss_mask), targets.group_accuracy[rows],
+            flags = wpsm_flags(mean_token_entropy(old.entropies, micro.loss_mask), targets.query_accuracy[rows],
                                targets.wpsm_advantages[rows], entropy_bound=self.wpsm.eta,
                                accuracy_threshold=self.wpsm.tau, positive_only=self.wpsm.positive_only)
             weights = wpsm_weights(flags, self.wpsm.alpha)
-        inputs = LossInputs(policy_logprobs=logprobs, old_logprobs=logprobs.detach(),
+        inputs = LossInputs(policy_logprobs=logprobs, old_logprobs=old.logprobs,
                             behavior_logprobs=micro.behavior_logprobs, loss_mask=micro.loss_mask,
-                            advantages=targets.advantages[rows], rewards=targets.rewards[rows], entropies=entropies,
-                            failures=micro.failures, modalities=micro.modalities, sequence_weights=weights)
-        loss, stats = self.spec.objective(inputs, targets.norm, **self.loss_options)
+                            advantages=targets.advantages[rows], rewards=targets.rewards[rows],
+                            entropies=old.entropies, failures=micro.failures, modalities=micro.modalities,
+                            sequence_weights=weights)
+        loss, stats = self.spec.objective(inputs, norm, **self.loss_options)
         loss.backward()
-        tally.add(micro, loss, stats, logprobs.detach(), entropies, flags)
-        tally.mismatch.add(micro, logprobs.detach(), version=self.version)
+        tally.add(micro, loss, stats, old.logprobs, old.entropies, flags, share)
+        tally.mismatch.add(micro, old.logprobs, version=self.version)
+
+    @torch.no_grad()
+    def _idle_forward(self, micro: TrainBatch) -> None:
+        """A forward with nothing kept, so that a sharded rank with fewer microbatches than its peers in the
+        theta_old pass still joins their gathers."""
+        token_logprobs(self.model, micro.input_ids, micro.attention_mask, temperature=self._temperature(micro),
+                       with_entropy=False, images=micro.images)
 
     def _idle_backward(self, micro: TrainBatch) -> None:
         """A pass whose loss is 0, so that a sharded rank with fewer microbatches than its peers still joins
@@ -294,9 +361,10 @@ class Trainer:
         """The temperature each row was sampled at: one for all, or per row in a mixture of several."""
         return self.temperature if micro.temperatures is None else micro.temperatures
 
-    def _policy_forward(self, micro: TrainBatch, tally: _Tally) -> tuple[torch.Tensor, torch.Tensor]:
+    def _policy_forward(self, micro: TrainBatch, tally: _Tally | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and entropies; an MoE rollout's routes are replayed (R3) or, with replay off,
-        compared with the trainer's own choice (mismatch/route_disagreement either way)."""
+        compared with the trainer's own choice (mismatch/route_disagreement either way, into `tally`: the forward
+        at theta_old; a later mini-batch's forward passes None)."""
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             return token_logprobs(self.model, micro.input_ids, micro.attention_mask,
                                   temperature=self._temperature(micro), with_entropy=True, images=micro.images,
@@ -306,18 +374,20 @@ class Trainer:
         if self.router_replay:
             with RouteReplay(self.model, micro.routes) as replay:
                 outputs = forward()
-            tally.mismatch.add_routes(*replay.disagreement())
+            if tally is not None:
+                tally.mismatch.add_routes(*replay.disagreement())
             return outputs
         with RouteRecorder(self.model) as recorder:
             outputs = forward()
         own = recorder.take().view(micro.routes.shape)  # (b, T, layers, k)
         recorded = micro.routes[..., 0] >= 0  # (b, T, layers)
         differing = set_mismatch(micro.routes.long(), own.long()) & recorded
-        tally.mismatch.add_routes(int(differing.sum()), int(recorded.sum()))
+        if tally is not None:
+            tally.mismatch.add_routes(int(differing.sum()), int(recorded.sum()))
         return outputs
 
-    def _optimizer_step(self) -> tuple[float, float]:
-        """Clip, step and advance the schedule; returns (grad norm before clipping, lr of this step)."""
+    def _apply_gradients(self) -> float:
+        """Clip and take one AdamW step; returns the gradient norm before clipping."""
         self.masters.grads_to_masters()  # clip, report and step in fp32
         if not self.sharded:  # a sharded model's backward already reduce-scattered the sum
             self.shard.sum_gradients(self.masters.params)  # the whole batch's gradient on every rank
@@ -325,13 +395,17 @@ class Trainer:
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at step {self.version}; "
                                      "lower trainer.lr or check the rewards")
-        lr = self.schedule.get_last_lr()[0]
         self.optimizer.step()
         self.masters.copy_to_model()
-        self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def _advance(self) -> float:
+        """The batch is trained: the schedule and the policy version move once; returns the lr the batch used."""
+        lr = self.schedule.get_last_lr()[0]
+        self.schedule.step()
         self.version += 1
-        return float(grad_norm), lr
+        return lr
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's weights (what the engine loads at a push); with LoRA the merged ones, under the base
@@ -380,6 +454,8 @@ class Trainer:
         masters = self.masters.state_dict()
         if masters:  # a bf16 model: the fp32 weights the next step continues from, not the rounded ones
             state["master_weights"] = masters
+        if self.query_success.counts:
+            state["wpsm_queries"] = self.query_success.state_dict()
         if self.lora is not None:  # the saved model is merged: the adapter and its frozen base come from here
             state["lora"] = self.lora.state_dict()
         return state
@@ -391,6 +467,8 @@ class Trainer:
         root = self._stepped_root
         state = {"sharding": "fsdp", "optimizer": full_optimizer_state(root, self.optimizer),
                  "schedule": self.schedule.state_dict(), "version": self.version}
+        if self.query_success.counts:
+            state["wpsm_queries"] = self.query_success.state_dict()
         if self.lora is not None:  # the adapters are stepped as they are: no masters
             full = full_weights(root)
             state["lora"] = self.lora.state_dict(full) if full else {}
@@ -410,6 +488,7 @@ class Trainer:
         self.version = int(state["version"])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.query_success.load_state_dict(state.get("wpsm_queries", {}))
         if set(state) == {"version"}:  # a stage after an sft stage: only the step count carries over
             self.version = int(state["version"])
             return
@@ -463,7 +542,7 @@ class _Targets:
     rewards: torch.Tensor  # (B,) task reward + shaping
     advantages: torch.Tensor  # (B,)
     norm: GlobalNorm
-    group_accuracy: torch.Tensor | None  # (B,) for WPSM
+    query_accuracy: torch.Tensor | None  # (B,) for WPSM: acc_x^t of each row's query (or its group's accuracy)
     wpsm_advantages: torch.Tensor | None  # (B,) for WPSM's positive_only: each row's within its task
 
 
@@ -485,19 +564,28 @@ class _Tally:
     group_rows: list[torch.Tensor] = field(default_factory=list)
     """(b, 8) per row: task id, entropy sum, loss tokens, k3 sum, admitted by the sequence gate (1 without one),
     flagged by WPSM (0 without it), modality id, tokens the mismatch correction masked (IcePop, MISC, ...)."""
+    sequence_ratios: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """Per modality, each row's geometric-mean mismatch ratio exp(mean_j log(pi_old / mu)): what a sequence-level
+    IcePop band (GSPO's seq_icepop) judges, so its distribution shows where a band falls."""
 
     def add(self, micro: TrainBatch, loss: torch.Tensor, stats: Mapping[str, torch.Tensor], logprobs: torch.Tensor,
-            entropies: torch.Tensor, flags: torch.Tensor | None = None) -> None:
-        self.loss += float(loss.detach())
+            entropies: torch.Tensor, flags: torch.Tensor | None = None, share: float = 1.0) -> None:
+        """One microbatch; `share`: its mini-batch's weight in the step's loss and loss stats (1 / mini-batches),
+        which are then means over the step's optimizer steps."""
+        self.loss += share * float(loss.detach())
         self.padded_cells += micro.attention_mask.numel()
         self.real_cells += int(micro.attention_mask.sum())
         for name, value in stats.items():
             if value.dim() == 0:
-                self.scalars[name] = self.scalars.get(name, 0.0) + float(value)
+                self.scalars[name] = self.scalars.get(name, 0.0) + share * float(value)
             else:
                 self.per_row.setdefault(name, []).append(value.detach().float().cpu())
         mask = micro.loss_mask
         gap = (logprobs - micro.behavior_logprobs).masked_fill(~mask, 0.0)
+        geometric = (gap.sum(-1) / mask.sum(-1).clamp(min=1)).exp().float().cpu()
+        for modality in set(micro.modalities):
+            chosen = torch.tensor([m == modality for m in micro.modalities])
+            self.sequence_ratios.setdefault(modality, []).append(geometric[chosen])
         row_entropy = entropies.masked_fill(~mask, 0.0).sum(-1)
         self.entropy += float(row_entropy.sum())
         self.abs_mismatch += float(gap.abs().sum())
@@ -526,6 +614,8 @@ class _Tally:
             for name, chunks in tally.per_row.items():
                 total.per_row.setdefault(name, []).extend(chunks)
             total.group_rows.extend(tally.group_rows)
+            for modality, chunks in tally.sequence_ratios.items():
+                total.sequence_ratios.setdefault(modality, []).extend(chunks)
             for name, value in tally.scalars.items():
                 total.scalars[name] = total.scalars.get(name, 0.0) + value
         return total
@@ -538,6 +628,23 @@ class _Tally:
         for name, chunks in self.per_row.items():
             metrics[f"loss/{name}"] = float(torch.cat(chunks).mean())
         metrics.update({f"loss/{name}": value for name, value in self.scalars.items()})
+        metrics.update(self.sequence_ratio_metrics())
+        return metrics
+
+    def sequence_ratio_metrics(self) -> dict[str, float]:
+        """The rows' geometric-mean mismatch ratios, their min, 1st, 50th and 99th percentiles and max: over all rows
+        (mismatch/seq_ratio_*) and, with several modalities, over each one's (modality/<m>/seq_ratio_*)."""
+        groups = {"mismatch": [r for chunks in self.sequence_ratios.values() for r in chunks]}
+        if len(self.sequence_ratios) > 1:
+            groups.update({f"modality/{m}": chunks for m, chunks in sorted(self.sequence_ratios.items())})
+        metrics = {}
+        for prefix, chunks in groups.items():
+            ratios = torch.cat(chunks) if chunks else torch.zeros(0)
+            if not ratios.numel():
+                continue
+            quantiles = torch.quantile(ratios.double(), torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64))
+            metrics.update({f"{prefix}/seq_ratio_min": float(ratios.min()), f"{prefix}/seq_ratio_max": float(ratios.max()),
+                            **{f"{prefix}/seq_ratio_p{q}": float(v) for q, v in zip(("01", "50", "99"), quantiles)}})
         return metrics
 
     def group_metrics(self, names: Mapping[str, Sequence[str]], wpsm: bool = False) -> dict[str, float]:

@@ -88,7 +88,15 @@ def _resume_mid_episode(run_dir: Path) -> Path:
     return chosen
 
 
-@pytest.mark.parametrize("run", ["tiny_run", "agent_run", "moe_run", "mix_run", "vision_run", "vision_agent_run"])
+@pytest.fixture
+def minibatch_run(tiny_run) -> list[str]:
+    """Each batch trained as 2 optimizer steps, with WPSM's per-query success rates (both carried through the
+    checkpoint: the theta_old pass is redone from the saved weights, the rates are saved)."""
+    return [*tiny_run, "trainer.minibatches=2", "algo.wpsm={tau: 0.2, eta: 10.0, min_rollouts: 1}"]
+
+
+@pytest.mark.parametrize("run", ["tiny_run", "agent_run", "moe_run", "mix_run", "vision_run", "vision_agent_run",
+                                 "minibatch_run"])
 def test_deterministic_kill_and_resume_ends_with_identical_weights(run, request, tmp_path):
     tiny_run = request.getfixturevalue(run)
     _run(_command(tmp_path / "straight", tiny_run, "--deterministic"))

@@ -13,7 +13,7 @@ SLICES = ((0, 1), (1, 4), (4, 5))
 OPTIONS = {
     "flashreinforce": {"delta": 0.02, "negative_token_fraction": 0.5},
     "misc": {"modality_bands": {"image": (0.8, 1.25, 0.05, 0.1)}, "eps_low": 0.02, "eps_high": 0.03},
-    "gspo": {"mismatch": "seq_icepop", "icepop_band": (0.97, 1.03)},
+    "gspo": {"mismatch": "seq_icepop", "seq_icepop_band": (0.97, 1.03)},
     "gspo_token": {"eps_low": 0.02, "eps_high": 0.03},
     "grpo": {"mismatch": "icepop", "icepop_band": (0.8, 1.25)},
     "dapo": {"mismatch": "tis", "mismatch_cap": 1.1},

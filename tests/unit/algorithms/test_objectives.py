@@ -195,9 +195,23 @@ def test_gspo_with_sequence_icepop_silences_a_whole_out_of_band_response():
     policy = torch.full((2, 3), -1.0, **F64)
     behavior = policy - torch.tensor([[0.9, 0.9, 0.9], [0.9, -0.9, 0.0]], **F64)  # geometric rho e^0.9, then 1
     _, stats, grad = run(gspo_objective, policy, torch.tensor([1.0, 1.0], **F64), behavior=behavior,
-                         mismatch="seq_icepop", icepop_band=(0.5, 2.0))
+                         mismatch="seq_icepop", seq_icepop_band=(0.5, 2.0))
     assert grad[0].eq(0).all() and grad[1].ne(0).all()  # ERNIE eq. 2: all of row 0 goes, row 1 stays whole
     assert stats["mismatch/masked_fraction"].item() == 0.5
+
+
+def test_the_sequence_band_is_its_own_setting_apart_from_the_token_band():
+    """Row geometric means 1.02 and 1.005 (token ratios up to e^0.5): IcePop's token band [0.5, 5] keeps every
+    token, while seq_icepop's band (default [0.99, 1.01]) drops the first row whole and keeps the second."""
+    policy = torch.full((2, 4), -1.0, **F64)
+    log_rho = torch.tensor([[0.5, -0.5, 0.5, -0.5 + 4 * math.log(1.02)], [0.02, 0.0, -0.0, 4 * math.log(1.005) - 0.02]],
+                           **F64)
+    _, token, _ = run(gspo_objective, policy, torch.tensor([1.0, 1.0], **F64), behavior=policy - log_rho,
+                      mismatch="icepop")
+    assert token["mismatch/masked_fraction"].item() == 0
+    _, sequence, grad = run(gspo_objective, policy, torch.tensor([1.0, 1.0], **F64), behavior=policy - log_rho,
+                            mismatch="seq_icepop")
+    assert grad[0].eq(0).all() and grad[1].ne(0).all() and sequence["mismatch/masked_fraction"].item() == 0.5
 
 
 def test_misc_in_band_weight_is_rho_and_edges_are_inclusive():

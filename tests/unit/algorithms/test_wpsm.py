@@ -21,10 +21,13 @@ def test_mean_token_entropy_over_loss_tokens_only():
     assert mean_token_entropy(entropies, mask).tolist() == [2.0, 2.0]
 
 
-def test_flags_need_low_entropy_high_accuracy_and_positive_advantage():
-    flags = wpsm_flags(torch.tensor([0.1, 0.1, 0.9, 0.1]), torch.tensor([0.9, 0.9, 0.9, 0.5]),
-                       torch.tensor([1.0, -1.0, 1.0, 1.0]), entropy_bound=0.5, accuracy_threshold=0.8)
-    assert flags.tolist() == [True, False, False, False]
+def test_eq4_flags_every_confident_response_of_a_well_learned_query_right_or_wrong():
+    entropy, accuracy = torch.tensor([0.1, 0.1, 0.9, 0.1]), torch.tensor([0.9, 0.9, 0.9, 0.5])
+    advantages = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    flags = wpsm_flags(entropy, accuracy, advantages, entropy_bound=0.5, accuracy_threshold=0.8)
+    assert flags.tolist() == [True, True, False, False]  # the confident wrong answer (A < 0) too
+    positive = wpsm_flags(entropy, accuracy, advantages, entropy_bound=0.5, accuracy_threshold=0.8, positive_only=True)
+    assert positive.tolist() == [True, False, False, False]
 
 
 def test_inequalities_are_strict():
@@ -37,16 +40,38 @@ def test_a_group_at_or_below_tau_has_no_flagged_row():
     passed = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     accuracy = group_mean(passed, groups)  # group 0: 0.5, group 1: 1.0
-    flags = wpsm_flags(torch.zeros(8), accuracy, passed - 0.5, entropy_bound=1.0, accuracy_threshold=0.5)
+    flags = wpsm_flags(torch.zeros(8), accuracy, passed - 0.5, entropy_bound=1.0, accuracy_threshold=0.5,
+                       positive_only=True)
     assert flags.tolist() == [False] * 4 + [True] * 4
 
 
 def test_positive_only_never_flags_zero_or_negative_advantages():
     entropy, accuracy = torch.zeros(3), torch.ones(3)
     advantages = torch.tensor([0.0, -0.3, 0.2])
-    on = wpsm_flags(entropy, accuracy, advantages, entropy_bound=1.0, accuracy_threshold=0.5)
-    off = wpsm_flags(entropy, accuracy, advantages, entropy_bound=1.0, accuracy_threshold=0.5, positive_only=False)
+    on = wpsm_flags(entropy, accuracy, advantages, entropy_bound=1.0, accuracy_threshold=0.5, positive_only=True)
+    off = wpsm_flags(entropy, accuracy, advantages, entropy_bound=1.0, accuracy_threshold=0.5)
     assert on.tolist() == [False, False, True] and off.tolist() == [True, True, True]
+
+
+def test_query_success_is_every_rollout_of_the_query_so_far_and_needs_min_rollouts():
+    from flashreinforce.algorithms import QuerySuccess
+
+    rates = QuerySuccess()
+    rates.add(["a", "b"], [True, True])  # step 1, one rollout a prompt: one result each, no rate yet
+    assert rates.rates(["a", "b", "c"], min_rollouts=2).tolist() == [float("-inf")] * 3
+    assert rates.rates(["a"], min_rollouts=1).tolist() == [1.0]
+    rates.add(["a", "b"], [True, False])  # step 2 (another epoch): a 2/2, b 1/2
+    assert rates.rates(["a", "b"], min_rollouts=2).tolist() == [1.0, 0.5]
+    restored = QuerySuccess()
+    restored.load_state_dict(rates.state_dict())  # a checkpoint: the same rates, counted on exactly
+    restored.add(["b"], [True])
+    rates.add(["b"], [True])
+    assert restored.state_dict() == rates.state_dict() == {"a": [2, 2], "b": [2, 3]}
+    flags = wpsm_flags(torch.zeros(3), rates.rates(["a", "b", "c"], min_rollouts=2), torch.zeros(3),
+                       entropy_bound=1.0, accuracy_threshold=0.6)
+    assert flags.tolist() == [True, True, False]  # 1.0 > 0.6, 2/3 > 0.6; c was never seen
+    with pytest.raises(ValueError, match="min_rollouts"):
+        rates.rates(["a"], min_rollouts=0)
 
 
 def test_weights_are_one_minus_alpha_on_flagged_rows():
@@ -79,9 +104,11 @@ ESTIMATORS = {
 
 
 def _wpsm(entropy, passed, rewards, groups, task_ids, counts, estimator):
-    """WPSM as the trainer composes it: advantages within tasks, group accuracy, then the flags."""
+    """WPSM as the trainer composes it with positive_only and the group rate: advantages within tasks, group
+    accuracy, then the flags."""
     advantages = within_tasks(estimator, task_ids, rewards, groups, counts)
-    flags = wpsm_flags(entropy, group_mean(passed, groups), advantages, entropy_bound=0.6, accuracy_threshold=0.3)
+    flags = wpsm_flags(entropy, group_mean(passed, groups), advantages, entropy_bound=0.6, accuracy_threshold=0.3,
+                       positive_only=True)
     return advantages, flags
 
 
@@ -117,7 +144,7 @@ def test_the_batch_mean_would_let_one_tasks_rewards_decide_anothers_flags():
     assert whole.tolist() == [-4.5, -5.5, 4.5, 5.5]
     assert within_tasks(batch_mean_advantages, tasks, rewards, groups).tolist() == [0.5, -0.5, -0.5, 0.5]
     flags = wpsm_flags(torch.zeros(4), torch.ones(4), within_tasks(batch_mean_advantages, tasks, rewards, groups),
-                       entropy_bound=1.0, accuracy_threshold=0.5)
+                       entropy_bound=1.0, accuracy_threshold=0.5, positive_only=True)
     assert flags.tolist() == [True, False, False, True]
 
 

@@ -74,7 +74,7 @@ def test_inherited_recipe_keeps_parent_fields_and_overrides_its_own():
         (["algo.loss=grpo"], "group_size"),
         (["data.kind=files"], "train"),
         (["algo.dynamic_sampling=true"], "algo.dynamic_sampling=true .* scheduler.group_size=1"),
-        (["algo.loss=grpo", "scheduler.group_size=2", "algo.wpsm={tau: 0.5, eta: 0.3}"],
+        (["algo.loss=grpo", "scheduler.group_size=2", "algo.wpsm={tau: 0.5, eta: 0.3, rate: group, positive_only: true}"],
          "algo.wpsm can never flag a row: .*group_size=2 .* raise group_size above 2 or lower tau"),
     ],
 )

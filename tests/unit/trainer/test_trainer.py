@@ -146,8 +146,9 @@ def test_the_task_baseline_trains_each_task_against_its_own_mean_and_microbatche
     trainer = _trainer(whole, "flashreinforce", microbatch_size=8)
     trainer.loss_options = {**trainer.loss_options, "delta": math.inf}
     trainer.advantage_options = {"baseline": "task"}
-    batch = collate(sorted(rows, key=lambda t: len(t.tokens)), 0)
-    targets = trainer._targets(batch)
+    ordered = sorted(rows, key=lambda t: len(t.tokens))
+    batch = collate(ordered, 0)
+    targets = trainer._targets(batch, ordered, ordered)
     expected = torch.tensor([t.reward - (0.5 if t.prompt.task == "a" else 10.5)
                              for t in sorted(rows, key=lambda t: len(t.tokens))], dtype=targets.advantages.dtype)
     assert torch.allclose(targets.advantages, expected) and targets.norm.per_row_baselines
@@ -173,10 +174,11 @@ def test_wpsm_reads_each_rows_advantage_within_its_task_and_reports_flags_per_ta
     negative and never be flagged, task b's all positive; within each task half of each task's rows are."""
     base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
     rows = _two_task_rows(base)
-    wpsm = WPSMSettings(tau=-1.0, eta=1e9, alpha=1.0, positive_only=True)  # only the sign of A decides
+    wpsm = WPSMSettings(tau=-1.0, eta=1e9, alpha=1.0, positive_only=True, rate="group")  # only the sign of A decides
     trainer = _trainer(copy.deepcopy(base), "flashreinforce", microbatch_size=3, wpsm=wpsm)
-    batch = collate(sorted(rows, key=lambda t: len(t.tokens)), 0)
-    targets = trainer._targets(batch)
+    ordered = sorted(rows, key=lambda t: len(t.tokens))
+    batch = collate(ordered, 0)
+    targets = trainer._targets(batch, ordered, ordered)
     by_task = {task: [t.reward for t in sorted(rows, key=lambda t: len(t.tokens)) if t.prompt.task == task]
                for task in "ab"}
     expected = torch.tensor([t.reward - sum(by_task[t.prompt.task]) / 4
@@ -191,9 +193,9 @@ def test_wpsm_reads_each_rows_advantage_within_its_task_and_reports_flags_per_ta
 def test_wpsm_with_one_task_uses_the_trained_advantages_and_adds_no_task_metrics():
     base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
     rows = _on_policy_batch(base, rows=8, group_size=2)
-    wpsm = WPSMSettings(tau=-1.0, eta=1e9, alpha=1.0, positive_only=True)
+    wpsm = WPSMSettings(tau=-1.0, eta=1e9, alpha=1.0, positive_only=True, rate="group")
     trainer = _trainer(copy.deepcopy(base), "flashreinforce", microbatch_size=8, wpsm=wpsm)
-    targets = trainer._targets(collate(rows, 0))
+    targets = trainer._targets(collate(rows, 0), rows, rows)
     assert targets.wpsm_advantages is targets.advantages
     metrics = trainer.step(rows)
     assert metrics["wpsm/flagged_fraction"] == 3 / 8  # rows 0, 3, 6 pass: reward 1 above the batch mean 3/8
@@ -372,3 +374,21 @@ def test_a_stage_after_sft_carries_only_the_step_count():
     trainer = _trainer(build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1), "flashreinforce", 8)
     trainer.load_state_dict({"version": 7})
     assert trainer.version == 7 and not trainer.optimizer.state
+
+
+def test_each_rows_geometric_mean_mismatch_is_logged_per_modality():
+    """Where a sequence-level IcePop band would fall: the rows' geometric-mean rho = exp(mean log(pi_old / mu)),
+    as min / p01 / p50 / p99 / max over all rows and over each modality's."""
+    base = build_model(VOCAB, 16, 1, 2, 32, dtype=torch.float64, seed=1)
+    rows = _on_policy_batch(base, rows=8, group_size=1)
+    shifted = []
+    for i, t in enumerate(rows):  # image rows' behavior log-probs 0.2 below the policy's: rho = e^0.2 on each token
+        gap = 0.2 if i % 2 else 0.0
+        behavior = tuple(lp - gap if m else lp for lp, m in zip(t.behavior_logprobs, t.loss_mask))
+        shifted.append(dataclasses.replace(t, behavior_logprobs=behavior, prompt=dataclasses.replace(
+            t.prompt, modality="image" if i % 2 else "text", task="a")))
+    metrics = _trainer(copy.deepcopy(base), "grpo", microbatch_size=3).step(shifted)
+    assert metrics["modality/image/seq_ratio_p50"] == pytest.approx(math.exp(0.2), rel=1e-6)
+    assert metrics["modality/text/seq_ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["mismatch/seq_ratio_min"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["mismatch/seq_ratio_max"] == pytest.approx(math.exp(0.2), rel=1e-6)
