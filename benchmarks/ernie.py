@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashreinforce.algorithms.passk import pass_at_k
 from flashreinforce.config import RunConfig, load_config
 from flashreinforce.run import run_training
 from flashreinforce.run.data import Data, load_data
