@@ -141,7 +141,8 @@ class AgentEpisodes:
 
     async def _take_returns(self) -> None:
         """End (or restart) the episodes whose agents returned, but those a pause holds, in episode order."""
-        for rid in sorted(rid for rid, live in self.live.items() if live.outcome is not None and rid not in self.frozen):
+        returned = [rid for rid, live in self.live.items() if live.outcome is not None and rid not in self.frozen]
+        for rid in sorted(returned):
             live = self.live[rid]
             await self._finish(live, live.outcome)
 
@@ -198,7 +199,8 @@ class AgentEpisodes:
                              rewards=() if value.get("reward") is None else (value["reward"],),
                              success=value.get("passed"))
         if not segments:
-            return replace(self.empty(live.request_id), episode=state, finish_reason="stop"), failure or "agent_no_calls"
+            empty = replace(self.empty(live.request_id), episode=state, finish_reason="stop")
+            return empty, failure or "agent_no_calls"
         row = segments[last]
         state = replace(state, segments=tuple(s for k, s in enumerate(segments) if k != last))
         answer = value.get("answer")
@@ -230,7 +232,8 @@ class AgentEpisodes:
         the same point."""
         ready = [c for c in self.calls.queued if c.episode not in self.frozen]
         self.calls.queued = [c for c in self.calls.queued if c.episode in self.frozen]
-        ready += [self.calls.waiting[r][0] for r in self.calls.held if self.calls.waiting[r][0].episode not in self.frozen]
+        held = [self.calls.waiting[rid][0] for rid in self.calls.held]
+        ready += [call for call in held if call.episode not in self.frozen]
         for call in sorted(ready, key=lambda c: (c.episode or "", c.index)):
             self.calls.in_engine.add(call.request_id)
             held = self.calls.held.pop(call.request_id, None)

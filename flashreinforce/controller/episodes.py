@@ -49,6 +49,9 @@ from flashreinforce.types import (
 RewardSource = Literal["env", "verifier", "both"]
 CUT_IN_TOOL_CALL = "turns_in_tool_call"
 """How an episode ended whose last turn called a tool and used the last of env.max_turns."""
+AGENT_FAILURES_IN_A_ROW = 100
+"""Agent episodes that failed one after another, none ending well, that stop the run: an agent that always raises
+(a bug in it, a template that cannot render its tools) would otherwise drop rollout after rollout forever."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,8 @@ class EpisodeBackend:
         self._failure: Exception | None = None
         """An error raised where the loop could not see it (an environment result's callback)."""
         self.counts: dict[str, int] = {}
+        self._agent_failures = 0
+        """Agent episodes failed in a row (AGENT_FAILURES_IN_A_ROW)."""
         self.agents = None if agents is None else AgentEpisodes(
             inner, agents.endpoint, agents.pool, agents.settings, on_end=self._agent_ended, empty=self._empty,
             reward_needed=lambda rid: self.route(rid).reward == "env", wake=self._wake.set)
@@ -340,6 +345,12 @@ class EpisodeBackend:
         segments = len(row.episode.segments) + bool(row.token_ids)
         self.counts["segments"] = self.counts.get("segments", 0) + segments
         self.counts["multi_segment"] = self.counts.get("multi_segment", 0) + (segments > 1)
+        self._agent_failures = self._agent_failures + 1 if end.startswith("agent_") else 0
+        if self._agent_failures >= AGENT_FAILURES_IN_A_ROW:
+            self._failure = RuntimeError(
+                f"the last {self._agent_failures} agent episodes all failed, the last one with {end}: the run cannot "
+                "train. Fix the agent (env.agent), or what it asks of the endpoint (episode/end/* and endpoint/errors/* "
+                "in metrics.jsonl count the reasons)")
         self._wake.set()
 
     def _on_turns(self, generations: Sequence[Generation]) -> None:

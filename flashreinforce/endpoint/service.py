@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 from flashreinforce.endpoint import openai_api as api
 from flashreinforce.endpoint.chat import ChatRenderer, TemplateMessage, openai_message, same_answer, template_messages
-from flashreinforce.endpoint.record import extends, fingerprint, row_of
 from flashreinforce.endpoint.openai_api import APIError
+from flashreinforce.endpoint.record import fingerprint, row_of
 from flashreinforce.types import CallRecord, Generation, SamplingParams
 
 

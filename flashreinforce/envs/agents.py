@@ -8,8 +8,8 @@ their fault: the caller re-runs them, replaying their calls); a worker that dies
 "agent_crash: <how>". Time an episode spends held by a pause of the run (a weight push, a checkpoint, an
 evaluation: its calls wait) does not count against its deadline (`hold` / `release`).
 
-Elastic like the environment pool: a new episode goes to the least-loaded worker, and one more starts (up to
-max_workers) when every worker holds an episode.
+Elastic: a new episode goes to the least-loaded worker, and one more starts (up to max_workers) when every
+worker holds EPISODES_PER_WORKER episodes (agents mostly wait on the model: one process holds many).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 from flashreinforce.lifetime import describe_exit, start_child
 
 _STARTUP_TIMEOUT_S = 120.0
+EPISODES_PER_WORKER = 8
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,8 @@ class AgentPool:
     # ---- workers -------------------------------------------------------------------------------------------
 
     async def _pick(self) -> _Worker:
-        """The least-loaded worker; a new one when every worker holds an episode and the pool may grow."""
-        busy = all(w.episodes for w in self._workers)
+        """The least-loaded worker; a new one when every worker is full and the pool may grow."""
+        busy = all(len(w.episodes) >= EPISODES_PER_WORKER for w in self._workers)
         if (not self._workers or busy) and len(self._workers) + self._starting < self.max_workers:
             self._starting += 1
             try:

@@ -42,8 +42,8 @@ def agent_run(save_chat_model, tmp_path) -> list[str]:
     """Overrides of a run whose agent calls a tiny random chat model (a Qwen-style template) 1 to 3 times."""
     model = save_chat_model(32, 1)
     for split, count in (("train", 96), ("eval", 4)):
-        rows = [{"prompt": [{"role": "user", "content": f"What is {i}+3?"}], "reward_model": {"ground_truth": str(i + 3)}}
-                for i in range(count)]
+        rows = [{"prompt": [{"role": "user", "content": f"What is {i}+3?"}],
+                 "reward_model": {"ground_truth": str(i + 3)}} for i in range(count)]
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (tmp_path / "agent.py").write_text(AGENT)
     return [f"model.path={model}", "data.kind=files", f"data.train={tmp_path / 'train.jsonl'}",

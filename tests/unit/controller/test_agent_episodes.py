@@ -256,3 +256,19 @@ def test_a_failing_agent_ends_only_its_episode_scored_zero_with_a_reason(word_mo
     assert fine_verdict.reward == 7.0 and len(fine.episode.calls) == 3  # the run goes on
     if kind == "silent":  # nothing sampled: its group is dropped as empty, nothing to train
         assert not failed.token_ids
+
+
+def test_a_run_whose_every_agent_episode_fails_stops_saying_why(word_model, chat_tokenizer, agents_file, monkeypatch):
+    """Rather than drop rollout after rollout forever (a bug in the agent, say)."""
+    import flashreinforce.controller.episodes as episodes
+
+    monkeypatch.setattr(episodes, "AGENT_FAILURES_IN_A_ROW", 4)
+
+    async def main():
+        async with agent_backend(word_model, chat_tokenizer, f"{agents_file}:fail", lockstep=False) as (backend, _):
+            failing = r"the last \d+ agent episodes all failed, the last one with agent_error"
+            with pytest.raises(RuntimeError, match=failing):
+                await run_episodes(backend, [prompt(i, "raise") for i in range(6)])
+                await backend.finished()  # the loop's next wait
+    asyncio.run(main())
+

@@ -1,4 +1,5 @@
-"""record.stitch: an agent episode's calls as token rows, stitched where a call extends an earlier one token for token."""
+"""record.stitch: an agent episode's calls as token rows, stitched where a call extends an earlier one token for
+token."""
 
 from flashreinforce.endpoint.record import fingerprint, stitch
 from flashreinforce.types import FORCED_VERSION, CallRecord, Generation, SamplingParams

@@ -197,7 +197,8 @@ def test_a_tool_schema_the_template_cannot_render_is_a_400(engine, chat_tokenize
                     model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
             assert refused.value.code == "tools_not_supported"
             await still_serves(server)
-        picky = "{% if tools and tools[0].function.parameters is not defined %}{{ raise_exception('no schema') }}{% endif %}"
+        picky = ("{% if tools and tools[0].function.parameters is not defined %}{{ raise_exception('no schema') }}"
+                 "{% endif %}")
         async with serving(engine, chat_tokenizer, template=picky + HERMES_TEMPLATE) as (_, server):
             with pytest.raises(openai.BadRequestError) as refused:
                 await client(server.base_url()).chat.completions.create(
