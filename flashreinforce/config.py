@@ -23,9 +23,9 @@ from flashreinforce.verifiers.registry import parse_spec
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 LOSS_NAMES = ("flashreinforce", "grpo", "drgrpo", "dapo", "gspo", "gspo_token", "misc", "rloo", "reinforce++",
-              "reinforce++-baseline")
+              "reinforce++-baseline", "opd")
 """algorithms/losses.py's LOSSES, by name (checked here without importing torch; a test keeps them equal)."""
-SINGLE_ROLLOUT_LOSSES = frozenset({"flashreinforce", "reinforce++"})
+SINGLE_ROLLOUT_LOSSES = frozenset({"flashreinforce", "reinforce++", "opd"})
 """Losses whose baseline is not a per-prompt group, so group_size=1 is meaningful."""
 DEFAULT_RECIPE = "arithmetic"
 UNDEMONSTRATED_KINDS = ("files", "reasoning_gym", "gsm8k")
@@ -517,7 +517,7 @@ class HintConfig(_Section):
 class AlgoConfig(_Section):
     loss: str = "flashreinforce"
     """Loss by name: flashreinforce, grpo, drgrpo, dapo, gspo, gspo_token, misc, rloo, reinforce++,
-    reinforce++-baseline."""
+    reinforce++-baseline, opd (on-policy distillation from `teachers`)."""
     options: dict[str, Any] = {}
     """Keyword options of the chosen objective (e.g. delta, negative_token_fraction, eps_low, mismatch)."""
     dynamic_sampling: bool = False
@@ -535,6 +535,24 @@ class AlgoConfig(_Section):
         if value not in LOSS_NAMES:
             raise ValueError(f"unknown loss {value!r}: choose one of {', '.join(LOSS_NAMES)}")
         return value
+
+
+class TeacherConfig(_Section):
+    path: str | None = None
+    """The teacher model: a local directory, a Hugging Face id (ORG/NAME), the name of a model converted by
+    `flashreinforce models get`, or a run of ours (a run or pipeline directory: its final model; a stage's
+    directory; a checkpoints/step_* directory), as `flashreinforce eval` takes them."""
+    stage: str | None = None
+    """Instead of path: the final model of an earlier stage of this pipeline, by name (e.g. an RL expert)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """The teacher's own weights and compute: fp32, or bf16 (its log-softmax is taken in fp32 either way)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TeacherConfig:
+        if (self.path is None) == (self.stage is None):
+            raise ValueError("a teacher names exactly one model: path (a directory, a Hugging Face id, a converted "
+                             "model, a run) or stage (an earlier stage of this pipeline)")
+        return self
 
 
 class LoraConfig(_Section):
@@ -755,19 +773,27 @@ class TaskConfig(_Section):
 
 
 STAGE_SECTIONS = ("tasks", "data", "env", "verifier", "sft", "rollout", "scheduler", "algo", "trainer", "eval",
-                  "precision", "log")
+                  "precision", "log", "teachers")
 """The run config sections a stage may override; the model, seed, backend and mode are the run's own."""
 
 
 class StageConfig(_Section):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
     name: str
     """Names the stage's directory (stages/NN-<name>), its metrics rows and its summary entry."""
     steps: int = Field(ge=1)
     """Optimizer steps of the stage: RL steps, or SFT steps for kind sft."""
-    kind: Literal["rl", "sft"] = "rl"
+    kind: Literal["rl", "sft", "distill"] = "rl"
     """rl: the run's RL loop under the stage's config; sft: the warm start's SFT on the stage's tasks'
-    demonstrations (built-in tasks: of the tiny model, or of model.path's, chat templates included), on the
-    weights the previous stage left."""
+    demonstrations (built-in tasks: of the tiny model, or of model.path's, chat templates included); distill:
+    the RL loop under on-policy distillation (algo.loss=opd), each task's rows scored by its teacher
+    (`teachers`). Each on the weights the previous stage left, or `from`'s."""
+    start: str | None = Field(None, alias="from")
+    """`from: NAME`: start from the final weights of that earlier stage instead of the previous one's (several
+    stages `from` the same one train side by side from one start, each its own weights). None: the previous
+    stage's."""
     optimizer: Literal["keep", "reset"] = "keep"
     """keep: AdamW's moments carry over from the previous RL stage (its learning rate and schedule do not: each
     stage has its own); reset: a fresh AdamW. After an sft stage, or in the first stage, there are none to keep."""
@@ -796,6 +822,8 @@ class StageConfig(_Section):
     """Overrides of the run's `precision` (a stage's numerics: precision.mode=unified with bf16...)."""
     log: dict[str, Any] | None = None
     """Overrides of the run's `log`."""
+    teachers: dict[str, dict[str, Any]] | None = None
+    """Overrides of the run's `teachers` (a distill stage's, by task: {TASK: {stage: NAME}})."""
 
 
 class RunConfig(_Section):
@@ -824,10 +852,14 @@ class RunConfig(_Section):
     """A mixture of tasks trained in one run (docs/tasks.md): name -> {weight, data, env, verifier, rollout,
     modality}. Training prompts interleave by weight, each scored by its own verifier, with metrics and held-out
     scores per task. None: one task, from the run's data, env and verifier sections."""
+    teachers: dict[str, TeacherConfig] | None = None
+    """On-policy distillation's frozen teachers (algo.loss=opd), by task: each task's rows are scored by its
+    teacher ({TASK: {path: DIR}}; `all` for every task not named, and for a run without tasks). A teacher must
+    share the student's vocabulary. Used by opd only."""
     stages: list[StageConfig] | None = None
-    """A pipeline run in order on the same weights (docs/stages.md): each stage a name, steps, kind (rl or sft),
-    optimizer (keep or reset) and overrides of the sections in STAGE_SECTIONS, deep-merged over the rest of the
-    recipe. None: one stage, the recipe itself."""
+    """A pipeline run in order on the same weights (docs/stages.md): each stage a name, steps, kind (rl, sft or
+    distill), where it starts (from), optimizer (keep or reset) and overrides of the sections in STAGE_SECTIONS,
+    deep-merged over the rest of the recipe. None: one stage, the recipe itself."""
 
     @model_validator(mode="after")
     def _tasks_alone(self) -> RunConfig:
@@ -861,6 +893,7 @@ class RunConfig(_Section):
                                  "digits, _ or - (it names the stage's directory)")
         for index in range(len(self.stages)):
             stage = self.stage(index)
+            _check_stage_sources(index, self.stages[index], stage, names)
             if self.stages[index].kind != "sft":
                 continue
             for task_name, task in stage.task_list():
@@ -874,11 +907,17 @@ class RunConfig(_Section):
     def stage(self, index: int) -> RunConfig:
         """The config stage `index` runs under: the recipe without `stages`, the stage's sections deep-merged over
         it (its `tasks` chosen by name from the recipe's; with another `algo.loss`, only its own `algo.options`),
-        and its steps as trainer.steps (sft.steps for sft)."""
+        and its steps as trainer.steps (sft.steps for sft). A distill stage trains with algo.loss=opd; a stage whose
+        loss is not opd has no teachers (a recipe's may be meant for its distill stages)."""
         stage = self.stages[index]
         tree = self.model_dump(mode="json", exclude={"stages"})
         for section in STAGE_SECTIONS:
             given = getattr(stage, section)
+            if section == "algo" and stage.kind == "distill":
+                if (given or {}).get("loss", "opd") != "opd":
+                    raise ValueError(f"stages[{index}] ({stage.name}): kind distill trains with algo.loss=opd, and it "
+                                     f"names algo.loss={given['loss']}: make it an rl stage, or leave its loss out")
+                given = {**(given or {}), "loss": "opd"}
             if given is None:
                 continue
             if section == "tasks":
@@ -894,8 +933,10 @@ class RunConfig(_Section):
                 # from its own defaults and the options the stage gives.
                 tree["algo"] = _merge({**tree["algo"], "options": {}}, given)
             else:
-                tree[section] = _merge(tree[section], given)
+                tree[section] = _merge(tree[section] or {}, given)
         tree["sft" if stage.kind == "sft" else "trainer"]["steps"] = stage.steps
+        if tree["algo"]["loss"] != "opd":
+            tree["teachers"] = None
         try:
             return RunConfig.model_validate(tree)
         except ValidationError as error:
@@ -952,6 +993,31 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _teachers_for_opd(self) -> RunConfig:
+        """opd scores every task's rows with a teacher: each task has one (its own or `all`), and nothing else does.
+        A pipeline's recipe is checked stage by stage, as each stage's config is built."""
+        if self.stages is not None:
+            return self
+        teachers = self.teachers or {}
+        if self.algo.loss != "opd":
+            if teachers:
+                raise ValueError(f"teachers: only on-policy distillation uses them (algo.loss=opd, or a stage of kind "
+                                 f"distill), and algo.loss={self.algo.loss}: set algo.loss=opd, or leave teachers out")
+            return self
+        tasks = [name for name, _ in self.task_list()]
+        unknown = sorted(set(teachers) - set(tasks) - {"all"})
+        if unknown:
+            known = f"its tasks ({', '.join(tasks)}) or all" if self.tasks else "all (a run without tasks has one)"
+            raise ValueError(f"teachers.{unknown[0]}: a teacher is named by the task it scores: "
+                             f"{known}{did_you_mean(unknown[0], [*tasks, 'all'])}")
+        missing = [name for name in tasks if name not in teachers and "all" not in teachers]
+        if missing:
+            who, where = (f"task {missing[0]}", f"teachers.{missing[0]}") if missing[0] else ("the run", "teachers.all")
+            raise ValueError(f"algo.loss=opd scores each task's rows with its teacher, and {who} has none: give "
+                             f"{where}: {{path: DIR}} (a model or a run; stage: NAME in a pipeline)")
+        return self
+
+    @model_validator(mode="after")
     def _wpsm_can_flag(self) -> RunConfig:
         """WPSM with positive_only and the group rate flags positive rows of groups whose accuracy passes tau. Under a
         group baseline an all-correct group's advantages are 0, so some group of G with accuracy in (tau, 1) must
@@ -963,6 +1029,20 @@ class RunConfig(_Section):
                              f"scheduler.group_size={size} whose accuracy passes tau={wpsm.tau} is all correct, "
                              f"and its advantages are 0; raise group_size above {1 / (1 - wpsm.tau):g} or lower tau")
         return self
+
+
+def _check_stage_sources(index: int, stage: StageConfig, config: RunConfig, names: list[str]) -> None:
+    """A stage's `from` and its teachers' `stage:` name earlier stages of the pipeline."""
+    earlier = names[:index]
+    ran = ", ".join(earlier) or "none before it"
+    if stage.start is not None and stage.start not in earlier:
+        raise ValueError(f"stages[{index}] ({stage.name}): from={stage.start!r} names no earlier stage (a stage starts "
+                         f"from one that has run: {ran}){did_you_mean(stage.start, earlier)}")
+    for task, teacher in (config.teachers or {}).items():
+        if teacher.stage is not None and teacher.stage not in earlier:
+            raise ValueError(f"stages[{index}] ({stage.name}): teachers.{task}.stage={teacher.stage!r} names no "
+                             f"earlier stage (a teacher is a stage that has run: {ran})"
+                             f"{did_you_mean(teacher.stage, earlier)}")
 
 
 def resolve_recipe(recipe: str | None) -> Path:
@@ -1115,5 +1195,5 @@ def config_from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...
 
 
 def dump_config(config: RunConfig) -> str:
-    data = config.model_dump(mode="json")
+    data = config.model_dump(mode="json", by_alias=True)
     return yaml.safe_dump(data, sort_keys=False)

@@ -15,12 +15,13 @@ from flashreinforce.algorithms.advantages import (
 )
 from flashreinforce.algorithms.aggregation import AGGREGATIONS, aggregate
 from flashreinforce.algorithms.dapo import dynamic_sampling_keep, overlong_penalty
+from flashreinforce.algorithms.distill import sequence_reverse_kl, teacher_signal
 from flashreinforce.algorithms.flashreinforce import flashreinforce_loss
 from flashreinforce.algorithms.hints import hint_fraction, hinted_prompt
 from flashreinforce.algorithms.inputs import GlobalNorm, LossInputs, global_norm
 from flashreinforce.algorithms.losses import LOSSES, LossSpec
 from flashreinforce.algorithms.mismatch import MISMATCH_MODES, mismatch_weights
-from flashreinforce.algorithms.objectives import ClipOptions, FlashReinforceOptions, MiscOptions
+from flashreinforce.algorithms.objectives import ClipOptions, FlashReinforceOptions, MiscOptions, OpdOptions
 from flashreinforce.algorithms.passk import avg_at_k, pass_at_k
 from flashreinforce.algorithms.wpsm import QuerySuccess, mean_token_entropy, wpsm_flags, wpsm_weights
 
@@ -34,6 +35,7 @@ __all__ = [
     "LossInputs",
     "LossSpec",
     "MiscOptions",
+    "OpdOptions",
     "aggregate",
     "avg_at_k",
     "batch_mean_advantages",
@@ -53,6 +55,8 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "sequence_reverse_kl",
+    "teacher_signal",
     "wpsm_flags",
     "wpsm_weights",
 ]

@@ -39,6 +39,8 @@ class LossInputs:
     """Per-row tag selecting MISC's per-modality bands, e.g. ("text", "image", ...)."""
     sequence_weights: Tensor | None = None
     """(b,) extra per-row loss weights >= 0, e.g. WPSM's 1 - alpha * M_i."""
+    teacher_logprobs: Tensor | None = None
+    """log pi_T of each token under the row's frozen teacher, detached (on-policy distillation, opd)."""
 
     def __post_init__(self) -> None:
         _check_loss_inputs(self)
@@ -119,7 +121,12 @@ def _check_loss_inputs(x: LossInputs) -> None:
         raise ValueError(f"LossInputs row {int(empty[0])} has no loss token: drop empty rows before the loss")
 
     mask = x.loss_mask
-    for name in ("policy_logprobs", "old_logprobs", "behavior_logprobs"):
+    if x.teacher_logprobs is not None and tuple(x.teacher_logprobs.shape) != shape:
+        raise ValueError(f"LossInputs.teacher_logprobs has shape {tuple(x.teacher_logprobs.shape)}, expected {shape} "
+                         "like policy_logprobs")
+    for name in ("policy_logprobs", "old_logprobs", "behavior_logprobs", "teacher_logprobs"):
+        if getattr(x, name) is None:
+            continue
         values = getattr(x, name).detach()
         bad = mask & (~torch.isfinite(values) | (values > 0))
         if bool(bad.any()):

@@ -35,11 +35,13 @@ from flashreinforce.algorithms.objectives import (
     ClipOptions,
     FlashReinforceOptions,
     MiscOptions,
+    OpdOptions,
     clip_objective,
     flashreinforce_objective,
     gspo_objective,
     gspo_token_objective,
     misc_objective,
+    opd_objective,
 )
 
 
@@ -59,6 +61,8 @@ class LossSpec:
     """The estimator's options dataclass (e.g. WhitenOptions for REINFORCE++), None when it takes none."""
     objective_options: type | None = None
     """The objective's options dataclass (ClipOptions, MiscOptions, ...), which checks their values."""
+    needs_teacher: bool = False
+    """The objective reads LossInputs.teacher_logprobs: the trainer scores every row with its task's teacher."""
 
     @property
     def advantage_defaults(self) -> Mapping[str, Any]:
@@ -119,13 +123,13 @@ class BaselineOptions:
 
 
 def _spec(advantages: Callable, objective: Callable, options: object,
-          advantage_options: type | None = None) -> LossSpec:
+          advantage_options: type | None = None, *, needs_teacher: bool = False) -> LossSpec:
     defaults = MappingProxyType(asdict(options))
     estimator = _called_as_every_spec(advantages)
-    if advantage_options is None:
-        return LossSpec(estimator, partial(objective, **defaults), defaults, None, type(options))
-    return LossSpec(partial(estimator, **asdict(advantage_options())), partial(objective, **defaults), defaults,
-                    advantage_options, type(options))
+    if advantage_options is not None:
+        estimator = partial(estimator, **asdict(advantage_options()))
+    return LossSpec(estimator, partial(objective, **defaults), defaults, advantage_options, type(options),
+                    needs_teacher)
 
 
 def _called_as_every_spec(estimator: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -164,4 +168,7 @@ LOSSES: dict[str, LossSpec] = {
                          WhitenOptions),
     "reinforce++-baseline": _spec(reinforce_pp_baseline_advantages, clip_objective,
                                   ClipOptions(aggregation="token-mean"), WhitenOptions),
+    # On-policy distillation: each token's advantage is a frozen teacher's log-prob minus the student's (reverse
+    # KL), optionally mixed with the verifier's reward over FlashREINFORCE's baseline; no group needed.
+    "opd": _spec(flashreinforce_advantages, opd_objective, OpdOptions(), BaselineOptions, needs_teacher=True),
 }

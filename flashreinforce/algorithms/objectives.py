@@ -12,6 +12,8 @@ slices. The PPO/GSPO family reports:
     mismatch/weight_mean        mean mismatch weight over loss tokens
     mismatch/kl                 k3 estimate of KL(mu || pi_old): mean of rho - 1 - log rho over loss tokens
     sequence_ratio              per row, GSPO's s_i (gspo, gspo_token, misc only)
+opd also reports reverse_kl (per token: the k1 estimate of KL(pi_S || pi_T), summed over slices) and, per row,
+sequence_reverse_kl (that row's sum over its tokens).
 flashreinforce reports the reference's stats: per row advantages, sequence_kl, admitted, policy_tokens,
 retained_tokens; the scalar acceptance_rate (admitted rows / global B).
 Options are keyword arguments validated by the dataclasses below; an unknown option or a bad value raises
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from flashreinforce.algorithms.aggregation import AGGREGATIONS, aggregate
+from flashreinforce.algorithms.distill import sequence_reverse_kl, teacher_signal
 from flashreinforce.algorithms.flashreinforce import flashreinforce_loss
 from flashreinforce.algorithms.inputs import GlobalNorm, LossInputs
 from flashreinforce.algorithms.mismatch import (
@@ -113,6 +116,35 @@ class MiscOptions:
                 raise ValueError(f"option modality_bands[{tag!r}]={bands!r} must be (alpha, beta, eps_low, eps_high)")
             _check_band(f"modality_bands[{tag!r}] band", tuple(bands[:2]))
             _check_eps(bands[2], bands[3], f"modality_bands[{tag!r}] ")
+
+
+@dataclass(frozen=True)
+class OpdOptions(ClipOptions):
+    """Options of on-policy distillation (ALGORITHMS.md 8c): the PPO-clip objective's, on a per-token advantage
+    mixed from a teacher's signal and the verifier's outcome advantage."""
+
+    aggregation: str = "token-mean"
+    """As in ClipOptions; token-mean by default, so a row weighs by its tokens and the loss follows the sequences'
+    summed reverse KL."""
+    kl_weight: float = 1.0
+    """w_kl: weight of the teacher's per-token signal sg[log pi_T - log pi_S] in each token's advantage."""
+    reward_weight: float = 0.0
+    """w_rl: weight of the verifier's outcome advantage (the reward minus the batch's mean, or the task's with
+    baseline=task), added to every token of the row; 0: distillation alone."""
+    kl_clip: float | None = None
+    """c: each token's teacher signal clipped to [-c, c] before weighting (None: unclipped)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("kl_weight", "reward_weight"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 <= value < math.inf:
+                raise ValueError(f"option {name}={value!r} must be a finite number >= 0")
+        if self.kl_weight == 0 and self.reward_weight == 0:
+            raise ValueError("options kl_weight and reward_weight are both 0: the loss would train nothing; give "
+                             "kl_weight > 0 (distillation) and/or reward_weight > 0 (the verifier's reward)")
+        if self.kl_clip is not None and (not _is_number(self.kl_clip) or not 0 < self.kl_clip < math.inf):
+            raise ValueError(f"option kl_clip={self.kl_clip!r} must be a finite number > 0, or null for no clip")
 
 
 @dataclass(frozen=True)
@@ -212,6 +244,33 @@ def misc_objective(inputs: LossInputs, norm: GlobalNorm, **options) -> tuple[Ten
     surrogate, clipped = ppo_clip(ratio, x.advantages, eps_low, eps_high)  # (b, T)
     weights = icepop_weights(x.log_rho, x.mask, low, high, o.icepop_weight)  # (b, T)
     return _finish(x, surrogate, weights, clipped, o.aggregation, {"sequence_ratio": ratio.detach()[:, 0]})
+
+
+def opd_objective(inputs: LossInputs, norm: GlobalNorm, **options) -> tuple[Tensor, dict[str, Tensor]]:
+    """On-policy distillation: PPO-clip per token on an advantage from a frozen teacher (ALGORITHMS.md 8c).
+
+        a_ij = clip(sg[log pi_T(y_ij) - log pi_old(y_ij)], -c, c)        the teacher's signal (distill.py)
+        A_ij = w_kl a_ij + w_rl A_i                                      A_i: the verifier's outcome advantage
+        l_ij = - c_i w_ij min(r_ij A_ij, clip(r_ij, 1 - eps_low, 1 + eps_high) A_ij),   aggregated by mode
+    with w_ij the mismatch weight of rho_ij = pi_old / mu (the student's train-inference gap) and c_i the optional
+    sequence_weights. With one optimizer step per batch (r = 1) and no mismatch correction, its gradient is that of
+    sum_ij (log pi_theta - log pi_T)^2 / 2 aggregated alike, and its expectation under pi_S the gradient of the
+    reverse KL. Needs inputs.teacher_logprobs.
+    """
+    o = parse_options(OpdOptions, options, "opd")
+    if inputs.teacher_logprobs is None:
+        raise ValueError("opd needs the teacher's log-probs of every row (LossInputs.teacher_logprobs): name a "
+                         "teacher for each task (teachers:)")
+    x = _Slice.of(inputs, norm)
+    teacher = torch.where(x.mask, inputs.teacher_logprobs.detach().to(x.old.dtype), 0.0)  # (b, T)
+    advantages = o.kl_weight * teacher_signal(teacher, x.old, x.mask, clip=o.kl_clip)  # (b, T)
+    if o.reward_weight:
+        advantages = advantages + o.reward_weight * x.advantages
+    ratio = log_ratio(x.policy, x.old, x.mask).exp()  # (b, T)
+    surrogate, clipped = ppo_clip(ratio, advantages, o.eps_low, o.eps_high)  # (b, T)
+    sequence_kl = sequence_reverse_kl(teacher, x.old, x.mask)  # (b,) unclipped
+    stats = {"reverse_kl": sequence_kl.sum() / x.norm.num_tokens, "sequence_reverse_kl": sequence_kl}
+    return _finish(x, surrogate, _mismatch(o, x), clipped, o.aggregation, stats)
 
 
 def parse_options(kind: type, options: Mapping[str, object], name: str):

@@ -83,6 +83,12 @@ def before_after(scores: dict[str, Any]) -> str:
     return f"{scores['initial_accuracy']:.1f}% -> {after}" if scores.get("initial_accuracy") is not None else after
 
 
+def teacher_text(summary: dict[str, Any], task: str) -> str:
+    """" (teacher 81.2%)" beside a distilled task's scores; "" without a teacher."""
+    teacher = summary.get("teachers", {}).get(task)
+    return "" if teacher is None else f" (teacher {teacher['accuracy']:.1f}%)"
+
+
 class Reporter:
     def __init__(self, enabled: bool = True, console: Console | None = None) -> None:
         self.console = console or Console()
@@ -133,8 +139,9 @@ class Reporter:
         for stage in stages:
             tasks = stage.get("tasks", {})
             table.add_row(stage["stage"], stage["kind"], f"{stage['first_step']} -> {stage['optimizer_steps']}"
-                          if stage["kind"] == "rl" else str(stage["steps"]),
-                          before_after(stage), "  ".join(f"{name} {before_after(scores)}" for name, scores in tasks.items()))
+                          if stage["kind"] != "sft" else str(stage["steps"]),
+                          before_after(stage), "  ".join(f"{name} {before_after(scores)}{teacher_text(stage, name)}"
+                                                         for name, scores in tasks.items()))
         self.console.print(table)
 
     def summary(self, summary: dict[str, Any], plots: dict[str, str]) -> None:

@@ -31,7 +31,7 @@ def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> Iterator
     """Depth first, in the order config.py declares them. A section with a default (model, trainer...) is only a
     heading for its fields; an optional one (algo.hints, trainer.lora...) is also a field, off by default."""
     for name, info in model.model_fields.items():
-        dotted = f"{prefix}{name}"
+        dotted = f"{prefix}{info.alias or name}"  # as a recipe spells it: stages[i].from
         section, member = _section_of(info.annotation)
         if section is None or info.default is None:
             yield FieldDoc(dotted, describe_type(info), _default_text(info), " ".join((info.description or "").split()))

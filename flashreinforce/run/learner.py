@@ -9,6 +9,7 @@ from flashreinforce.config import RunConfig
 from flashreinforce.models.moe import routing_problem
 from flashreinforce.run.devices import resolve_device
 from flashreinforce.run.policy import Policy, side_numerics
+from flashreinforce.run.teachers import load_teachers
 from flashreinforce.trainer.distributed import RankGroup, join_group
 from flashreinforce.trainer.group import TrainerGroup
 from flashreinforce.trainer.lora import LoraSettings
@@ -57,7 +58,8 @@ def check_fits_gpu(config: RunConfig, model, device: torch.device) -> None:
 
 
 def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer:
-    """A Trainer of `model` (model and tokenizer, not a Policy: TrainerProcess calls this in its child)."""
+    """A Trainer of `model` (model and tokenizer, not a Policy: TrainerProcess calls this in its child), with the
+    teachers its loss reads (loaded here, in the trainer's own process)."""
     algo, trainer = config.algo, config.trainer
     device = resolve_device("trainer.device", trainer.device, rank=rank)
     check_fits_gpu(config, model, device)
@@ -86,6 +88,7 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
         device=device,
         sharding=trainer.sharding,
         gradient_checkpointing=trainer.gradient_checkpointing,
+        teachers=load_teachers(config, tokenizer),
     )
 
 

@@ -27,7 +27,7 @@ def check_run(config: RunConfig) -> str:
         for index, stage in enumerate(config.stages)]
     for where, stage_config, kind in stages:
         try:
-            if kind == "rl":  # an sft stage builds no engine, backend or environment of its own
+            if kind != "sft":  # an sft stage builds no engine, backend or environment of its own
                 check_buildable(stage_config)
             data = load_data(stage_config)
             check_verifiers(stage_config, data)
@@ -67,7 +67,8 @@ def resolved_tree(config: RunConfig) -> dict[str, Any]:
 
 def stage_tree(config: RunConfig, index: int) -> dict[str, Any]:
     stage, resolved = config.stages[index], config.stage(index).model_dump(mode="json")
-    tree = stage.model_dump(mode="json", include={"name", "kind", "steps", "optimizer"})
+    tree = stage.model_dump(mode="json", include={"name", "kind", "start", "steps", "optimizer"}, by_alias=True,
+                            exclude_none=True)
     tree.update({section: resolved[section] for section in STAGE_SECTIONS if getattr(stage, section) is not None})
     return tree
 

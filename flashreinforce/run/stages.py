@@ -11,7 +11,9 @@
     run_dir/summary.json         at the end: each stage's before/after per task, and the totals
 
 A stage whose summary.json exists is done; --resume skips it and continues the first one that is not, from its
-newest checkpoint, else from where it starts (the previous stage's final checkpoint or sft/). A stage always
+newest checkpoint, else from where it starts (the previous stage's final checkpoint or sft/, or with `from: NAME`
+that stage's: several stages can start from one, each training weights of its own, e.g. an RL expert per task
+that a later `distill` stage takes as teachers, `teachers: {TASK: {stage: NAME}}`). A stage always
 starts from what is on disk, never from objects in memory, so an uninterrupted run and a killed-and-resumed one
 take the same path. Optimizer steps count across stages (an RL stage's steps follow the previous stages'), and
 whatever is in flight when an RL stage ends is recorded dropped with reason `stage_end`.
@@ -71,6 +73,8 @@ class StageStart:
     warm_model_dir: Path | None = None
     """The model the pipeline's latest SFT left (None: model.path, when no SFT came first): where AHRL measures
     each prompt's initial pass@k (ERNIE eq. 5's pass_initial is the SFT model's)."""
+    stage_models: dict[str, Path] = field(default_factory=dict)
+    """Each earlier stage's final model, by name: the teachers a distill stage names by stage (`stage: NAME`)."""
 
 
 def first_step(stage: StageStart | None) -> int:
@@ -95,16 +99,21 @@ def run_stages(config: RunConfig, run_dir: Path | None, resume: bool, reporter: 
     model_dir, version, previous_rl = initial_model(config, run_dir, reporter), 0, None
     warm_model_dir, last_rl, positions = model_dir, None, DataPositions()
     summaries: list[dict[str, Any]] = []
+    finished: dict[str, tuple[Path, Path | None]] = {}  # each stage's final model and, for an RL one, its checkpoint
     for index, stage in enumerate(config.stages):
         directory, stage_config = stage_directory(run_dir, index, stage.name), config.stage(index)
-        reporter.note(f"stage {index + 1}/{len(config.stages)} {stage.name}: {stage.kind}, {stage.steps} steps")
+        reporter.note(f"stage {index + 1}/{len(config.stages)} {stage.name}: {stage.kind}, {stage.steps} steps"
+                      + (f", from {stage.start}" if stage.start else ""))
+        if stage.start is not None:  # its weights, and the trainer state that goes with them
+            model_dir, previous_rl = finished[stage.start]
         summary = read_json(directory / "summary.json")
         if summary is None and stage.kind == "sft":
             summary = sft_stage(stage_config, directory, model_dir, stage.name, version, reporter)
         elif summary is None:
             carried = carried_state(previous_rl, keep=stage.optimizer == "keep", version=version)
             start = StageStart(stage.name, version, model_dir, carried, positions.starts(stage_config),
-                               next_samples(last_rl), warm_model_dir)
+                               next_samples(last_rl), warm_model_dir,
+                               {name: model for name, (model, _) in finished.items()})
             summary = run_rl_stage(stage_config, directory, (directory / "config.yaml").is_file(), reporter, start)
         summaries.append({"stage": stage.name, "kind": stage.kind, "steps": stage.steps, **summary})
         if stage.kind == "sft":
@@ -114,6 +123,7 @@ def run_stages(config: RunConfig, run_dir: Path | None, resume: bool, reporter: 
             previous_rl = last_rl = newest_intact_checkpoint(directory / "checkpoints").checkpoint
             model_dir, version = previous_rl / "model", summary["optimizer_steps"]
             positions.record(stage_config, summary["data_positions"])
+        finished[stage.name] = (model_dir, previous_rl)
         write_pipeline_metrics(run_dir, summaries)
     summary = pipeline_summary(run_dir, config, summaries)
     write_json_atomic(run_dir / "summary.json", summary)
@@ -134,7 +144,7 @@ def initial_model(config: RunConfig, run_dir: Path, reporter: Reporter) -> Path 
     first = config.stage(0)
     kinds = [task.data.kind for index in range(len(config.stages)) for _, task in config.stage(index).task_list()]
     policy = tiny_policy(first, kinds=kinds)
-    if config.stages[0].kind == "rl" and first.sft.steps:
+    if config.stages[0].kind != "sft" and first.sft.steps:
         warm_start(first, load_data(first), policy, reporter)
     save_policy(policy, directory)
     return directory
@@ -174,14 +184,15 @@ def next_samples(checkpoint: Path | None) -> dict[str, int]:
 
 
 def carried_state(checkpoint: Path | None, *, keep: bool, version: int) -> dict[str, Any] | None:
-    """The trainer state a stage starts with: from the previous RL stage's final checkpoint its step count,
-    masters or adapters, and with `keep` its AdamW moments (not its schedule, nor its RNG: each stage seeds
-    its own); after an sft stage or at the start, only the step count."""
+    """The trainer state a stage starts with: from the final checkpoint of the RL stage whose weights it starts
+    from, its masters or adapters and with `keep` its AdamW moments (not its schedule, nor its RNG: each stage seeds
+    its own); after an sft stage or at the start, none. The step count is the pipeline's, `version` (a stage
+    `from` an earlier one goes on counting, never back)."""
     if checkpoint is None:
         return {"version": version} if version else None
     trainer_state, _, _ = load_states(checkpoint)
     dropped = {"schedule", "torch_rng"} | (set() if keep else {"optimizer"})
-    return {key: value for key, value in trainer_state.items() if key not in dropped}
+    return {**{key: value for key, value in trainer_state.items() if key not in dropped}, "version": version}
 
 
 def sft_stage(config: RunConfig, directory: Path, model_dir: Path | None, name: str, version: int,

@@ -40,6 +40,7 @@ from flashreinforce.run.backends import (
 )
 from flashreinforce.run.data import Data, load_data
 from flashreinforce.run.directory import create_run_dir, read_json, write_json_atomic
+from flashreinforce.run.distill import resolve_teachers, teacher_evaluation
 from flashreinforce.run.endpoint import build_agent_parts, start_agent_parts
 from flashreinforce.run.engines import check_tiny_context, engine_shape, model_context, rollout_params
 from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
@@ -62,7 +63,7 @@ def run_training(config: RunConfig, *, run_dir: Path | None = None, resume: bool
         assert run_dir is not None, "resume needs the run directory"
     if config.stages:
         for index, stage in enumerate(config.stages):  # a part the last stage lacks stops the run before the first
-            if stage.kind == "rl":
+            if stage.kind != "sft":
                 try:
                     check_buildable(config.stage(index))
                 except ValueError as error:
@@ -75,8 +76,10 @@ def run_stage(config: RunConfig, run_dir: Path | None, resume: bool, reporter: R
               stage: StageStart | None = None) -> dict[str, Any]:
     """One RL run (a whole recipe, or one stage of a pipeline) in run_dir."""
     check_buildable(config)
+    resolved = resolve_teachers(config, stage.stage_models if stage is not None else {})  # before any file is written
     if not resume:
-        run_dir = create_run_dir(config, run_dir)
+        run_dir = create_run_dir(config, run_dir)  # as written: a teacher by its stage, Hub id or run
+    config = resolved
     seed_everything(config.seed)
     torch.set_num_threads(config.backend.torch_threads)
     summary = asyncio.run(_train(config, run_dir, resume, reporter, stage))
@@ -179,6 +182,7 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
         await start_agent_parts(parts.agents, run_dir)  # the endpoint and agent workers, when the run has them
         held_out = HeldOut(config, parts.backend, parts.episodes, data.eval)
         initial = await initial_evaluation(parts, held_out, reporter)
+        teachers = await teacher_evaluation(config, run_dir, held_out.prompts, reporter) if config.teachers else {}
         writer = CheckpointWriter(config, run_dir, parts.backend, parts.trainer,
                                   clock=lambda: start.wall_seconds + time.perf_counter() - started)
         progress = reporter.training(total=last_step, completed=parts.trainer.version)
@@ -197,7 +201,7 @@ async def _train(config: RunConfig, run_dir: Path, resume: bool, reporter: Repor
                 parts.scheduler.ledger.drop(key, "stage_end")
         parts.scheduler.ledger.check()
         final = await final_evaluation(parts, held_out, log.last_eval, last_step, reporter)
-        summary = summarize(parts, held_out, initial["metrics"], final, writer.clock())
+        summary = with_teachers(summarize(parts, held_out, initial["metrics"], final, writer.clock()), teachers)
         if stage is not None:
             opened = parts.scheduler.book.cursor - first_step(stage) * config.scheduler.batch_groups
             summary.update(stage=stage.name, first_step=stage.first_version,
@@ -275,6 +279,18 @@ def summarize(parts: RunParts, held_out: HeldOut, initial: dict[str, float], fin
            for name in ("greedy_accuracy", "distinct_answers", "turns", "tool_calls") if f"eval/{name}" in metrics},
         **({"tasks": task_summary(parts.config, held_out, initial, final)} if parts.config.tasks else {}),
     }
+
+
+def with_teachers(summary: dict[str, Any], teachers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The summary with the teachers' held-out scores beside the student's: each task's teacher_accuracy (a run
+    without tasks: the run's), and "teachers" (each task's teacher and its scores); as it is without teachers."""
+    if not teachers:
+        return summary
+    for task, scores in summary.get("tasks", {}).items():
+        scores["teacher_accuracy"] = teachers[task]["accuracy"]
+    if "" in teachers:
+        summary["teacher_accuracy"] = teachers[""]["accuracy"]
+    return {**summary, "teachers": teachers}
 
 
 def task_summary(config: RunConfig, held_out: HeldOut, initial: dict[str, float],

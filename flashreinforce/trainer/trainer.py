@@ -43,6 +43,7 @@ from flashreinforce.trainer.sharding import (
     shard_model,
     total_norm,
 )
+from flashreinforce.trainer.teachers import Teachers
 from flashreinforce.types import Trajectory
 
 
@@ -109,6 +110,7 @@ class Trainer:
         device: torch.device | str = "cpu",
         sharding: str = "replicate",
         gradient_checkpointing: bool = False,
+        teachers: Teachers | None = None,
     ) -> None:
         """`numerics`: the trainer's weight format and compute dtype (models/numerics.py); the model is cast
         to it here and its weights become the formatted fp32 masters. `router_replay`: an MoE model's forward
@@ -120,9 +122,14 @@ class Trainer:
         rank and the ranks' weights stay identical; `sharding="fsdp"` shards them instead (trainer/sharding.py).
         `gradient_checkpointing`: keep each layer's input only and recompute the layer in the backward pass.
         `task_temperatures`: each task's sampling temperature when a mixture's tasks sample at different ones (every
-        row's log-probs are recomputed at its own); None: every row at `temperature`."""
+        row's log-probs are recomputed at its own); None: every row at `temperature`.
+        `teachers`: each task's frozen teacher (trainer/teachers.py), for a loss that reads their log-probs (opd);
+        they score every row once per batch, before its first optimizer step."""
         if loss not in LOSSES:
             raise ValueError(f"algo.loss={loss!r} is not a known loss; choose one of {sorted(LOSSES)}")
+        if LOSSES[loss].needs_teacher != (teachers is not None):
+            raise ValueError(f"algo.loss={loss} scores each task's rows with its teacher: name them in teachers:"
+                             if teachers is None else f"teachers given, but algo.loss={loss} does not use them")
         if sharding not in SHARDINGS:
             raise ValueError(f"trainer.sharding={sharding!r} is not one of {SHARDINGS}")
         self.device = torch.device(device)
@@ -163,6 +170,9 @@ class Trainer:
         """WPSM's per-query success counts (rate=query), kept in the checkpoint and carried across stages."""
         self.minibatches = minibatches
         self.router_replay = router_replay
+        self.teachers = teachers
+        if teachers is not None:
+            teachers.to(self.device)
         self.version = 0
 
     def _build_masters(self, numerics: Numerics) -> MasterWeights | ShardedMasters:
@@ -200,11 +210,11 @@ class Trainer:
         rollouts = trajectories
         trajectories = sorted((row for t in trajectories for row in t.rows()), key=lambda t: len(t.tokens))
         batch = collate(trajectories, self.pad_token_id, self.task_temperatures).to(self.device)
-        targets = self._targets(batch, rollouts, trajectories)  # on the whole batch, on every rank
-        self.model.train()
-        tally = _Tally()
         splits = minibatch_rows(batch.group_ids, self.minibatches)
         parts = [self._own_microbatches(batch, rows) for rows in splits]
+        targets = self._targets(batch, rollouts, trajectories, parts)  # on the whole batch, on every rank
+        self.model.train()
+        tally = _Tally()
         # theta_old of the parts after the first, before any step moves the weights (the first part's forward is
         # at theta_old itself)
         old = [[None] * len(parts[0])] + [self._old_pass(batch, part, tally) for part in parts[1:]]
@@ -217,7 +227,9 @@ class Trainer:
                    **tally.metrics(targets.norm.num_tokens), "time/train_seconds": time.perf_counter() - started,
                    **tally.group_metrics({"task": list(dict.fromkeys(t.prompt.task for t in trajectories)),
                                           "modality": list(dict.fromkeys(t.prompt.modality for t in trajectories))},
-                                         wpsm=self.wpsm is not None)}
+                                         wpsm=self.wpsm is not None, distill=self.teachers is not None)}
+        if targets.teacher_logprobs is not None:
+            metrics["time/teacher_seconds"] = targets.teacher_seconds
         if len(parts) > 1:
             metrics.update({"optim/minibatches": float(len(parts)), "optim/grad_norm_max": max(grad_norms)})
         if self.wpsm is not None:
@@ -265,10 +277,12 @@ class Trainer:
         """The FlashREINFORCE trust-region delta, None for other losses (they have no sequence gate)."""
         return float(self.loss_options["delta"]) if "delta" in self.loss_options else None
 
-    def _targets(self, batch: TrainBatch, rollouts: Sequence[Trajectory], rows: Sequence[Trajectory]) -> _Targets:
+    def _targets(self, batch: TrainBatch, rollouts: Sequence[Trajectory], rows: Sequence[Trajectory],
+                 parts: Sequence[Sequence[tuple[torch.Tensor, TrainBatch]]] = ()) -> _Targets:
         """What the loss needs from the WHOLE batch, before it is split: shaped rewards, advantages, normalizers,
-        and for WPSM each row's query success rate (after counting this batch's `rollouts`; `rows`: the batch's
-        rows, one per trajectory or episode segment)."""
+        for WPSM each row's query success rate (after counting this batch's `rollouts`; `rows`: the batch's
+        rows, one per trajectory or episode segment), and with teachers their log-probs of this rank's rows (in
+        `parts`' microbatches)."""
         rewards = batch.rewards
         if self.overlong is not None:
             # The generated length, not the trained one: april's mask_offpolicy un-trains a resumed row's prefix.
@@ -279,10 +293,26 @@ class Trainer:
         norm = GlobalNorm(num_sequences=batch.num_rows, num_tokens=int(batch.loss_mask.sum()),
                           reward_mean=float(rewards.mean()), max_new_tokens=self.max_new_tokens,
                           per_row_baselines=self.advantage_options.get("baseline") == "task")
+        started = time.perf_counter()
+        teacher = self._teacher_logprobs(batch, parts, [t.prompt.task for t in rows])
+        teacher_seconds = time.perf_counter() - started
         if self.wpsm is None:
-            return _Targets(rewards, advantages, norm, None, None)
+            return _Targets(rewards, advantages, norm, None, None, teacher, teacher_seconds)
         return _Targets(rewards, advantages, norm, self._query_accuracy(batch, rollouts, rows),
-                        self._advantages_within_tasks(batch, rewards, token_counts, advantages))
+                        self._advantages_within_tasks(batch, rewards, token_counts, advantages), teacher,
+                        teacher_seconds)
+
+    def _teacher_logprobs(self, batch: TrainBatch, parts: Sequence[Sequence[tuple[torch.Tensor, TrainBatch]]],
+                          tasks: Sequence[str]) -> torch.Tensor | None:
+        """(B, T) this rank's rows scored by their tasks' teachers (0 on other ranks' rows), microbatch by
+        microbatch, before any optimizer step moves the weights; None without teachers."""
+        if self.teachers is None:
+            return None
+        scores = torch.zeros_like(batch.behavior_logprobs)
+        for rows, micro in (micro for part in parts for micro in part):
+            names = [tasks[row] for row in rows.tolist()]
+            scores[rows, : micro.input_ids.shape[1]] = self.teachers.score(micro, names, self._temperature(micro))
+        return scores
 
     def _query_accuracy(self, batch: TrainBatch, rollouts: Sequence[Trajectory],
                         rows: Sequence[Trajectory]) -> torch.Tensor:
@@ -333,11 +363,13 @@ class Trainer:
                                targets.wpsm_advantages[rows], entropy_bound=self.wpsm.eta,
                                accuracy_threshold=self.wpsm.tau, positive_only=self.wpsm.positive_only)
             weights = wpsm_weights(flags, self.wpsm.alpha)
+        teacher = targets.teacher_logprobs
         inputs = LossInputs(policy_logprobs=logprobs, old_logprobs=old.logprobs,
                             behavior_logprobs=micro.behavior_logprobs, loss_mask=micro.loss_mask,
                             advantages=targets.advantages[rows], rewards=targets.rewards[rows],
                             entropies=old.entropies, failures=micro.failures, modalities=micro.modalities,
-                            sequence_weights=weights)
+                            sequence_weights=weights,
+                            teacher_logprobs=None if teacher is None else teacher[rows, : micro.input_ids.shape[1]])
         loss, stats = self.spec.objective(inputs, norm, **self.loss_options)
         loss.backward()
         tally.add(micro, loss, stats, old.logprobs, old.entropies, flags, share)
@@ -544,6 +576,8 @@ class _Targets:
     norm: GlobalNorm
     query_accuracy: torch.Tensor | None  # (B,) for WPSM: acc_x^t of each row's query (or its group's accuracy)
     wpsm_advantages: torch.Tensor | None  # (B,) for WPSM's positive_only: each row's within its task
+    teacher_logprobs: torch.Tensor | None = None  # (B, T) each row's teacher's log-probs (this rank's rows)
+    teacher_seconds: float = 0.0
 
 
 @dataclass
@@ -562,8 +596,9 @@ class _Tally:
     real_cells: int = 0
     mismatch: MismatchTally = field(default_factory=MismatchTally)
     group_rows: list[torch.Tensor] = field(default_factory=list)
-    """(b, 8) per row: task id, entropy sum, loss tokens, k3 sum, admitted by the sequence gate (1 without one),
-    flagged by WPSM (0 without it), modality id, tokens the mismatch correction masked (IcePop, MISC, ...)."""
+    """(b, 9) per row: task id, entropy sum, loss tokens, k3 sum, admitted by the sequence gate (1 without one),
+    flagged by WPSM (0 without it), modality id, tokens the mismatch correction masked (IcePop, MISC, ...), and its
+    sampled reverse KL to its teacher (opd; 0 without one)."""
     sequence_ratios: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """Per modality, each row's geometric-mean mismatch ratio exp(mean_j log(pi_old / mu)): what a sequence-level
     IcePop band (GSPO's seq_icepop) judges, so its distribution shows where a band falls."""
@@ -597,9 +632,10 @@ class _Tally:
         if micro.task_ids is not None and micro.modality_ids is not None:
             admitted = stats.get("admitted", torch.ones_like(row_k3)).detach().to(row_k3.dtype)
             masked = stats.get("mismatch/masked_tokens", torch.zeros_like(row_k3)).detach().to(row_k3.dtype)
+            teacher_kl = stats.get("sequence_reverse_kl", torch.zeros_like(row_k3)).detach().to(row_k3.dtype)
             self.group_rows.append(torch.stack([micro.task_ids.to(row_k3), row_entropy, mask.sum(-1).to(row_k3),
-                                                row_k3, admitted, flagged, micro.modality_ids.to(row_k3), masked],
-                                               dim=1).double().cpu())
+                                                row_k3, admitted, flagged, micro.modality_ids.to(row_k3), masked,
+                                                teacher_kl], dim=1).double().cpu())
 
     @classmethod
     def merged(cls, tallies: Sequence[_Tally]) -> _Tally:
@@ -647,11 +683,12 @@ class _Tally:
                             **{f"{prefix}/seq_ratio_p{q}": float(v) for q, v in zip(("01", "50", "99"), quantiles)}})
         return metrics
 
-    def group_metrics(self, names: Mapping[str, Sequence[str]], wpsm: bool = False) -> dict[str, float]:
+    def group_metrics(self, names: Mapping[str, Sequence[str]], wpsm: bool = False,
+                      distill: bool = False) -> dict[str, float]:
         """Entropy, behavior-policy KL (k3) per token, gate rejections, tokens masked by the mismatch correction
-        (IcePop, MISC's bands) and (with WPSM) flagged rows per task of a mixture (names["task"], in task-id
-        order) and per modality (names["modality"]), where there are several: a modality the policy starts to
-        ignore shows as its own entropy collapse."""
+        (IcePop, MISC's bands), (with WPSM) flagged rows and (distilling) the reverse KL to the teacher per token,
+        per task of a mixture (names["task"], in task-id order) and per modality (names["modality"]), where there
+        are several: a modality the policy starts to ignore shows as its own entropy collapse."""
         if not self.group_rows:
             return {}
         rows, metrics = torch.cat(self.group_rows), {}
@@ -668,6 +705,8 @@ class _Tally:
                     f"{prefix}/{name}/masked_fraction": float(own[:, 7].sum()) / tokens})
                 if wpsm:
                     metrics[f"{prefix}/{name}/wpsm/flagged_fraction"] = float(own[:, 5].mean()) if len(own) else 0.0
+                if distill:
+                    metrics[f"{prefix}/{name}/reverse_kl"] = float(own[:, 8].sum()) / tokens
         return metrics
 
 

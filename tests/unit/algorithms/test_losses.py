@@ -17,6 +17,7 @@ OPTIONS = {
     "gspo_token": {"eps_low": 0.02, "eps_high": 0.03},
     "grpo": {"mismatch": "icepop", "icepop_band": (0.8, 1.25)},
     "dapo": {"mismatch": "tis", "mismatch_cap": 1.1},
+    "opd": {"mismatch": "icepop", "icepop_band": (0.8, 1.25), "kl_clip": 0.5, "reward_weight": 0.5},
 }
 
 
@@ -28,11 +29,12 @@ def make_batch(seed=0, dtype=torch.float64):
     policy = -torch.rand(B, T, generator=g, dtype=dtype) * 2 - 0.05
     old = (policy + 0.15 * torch.randn(B, T, generator=g, dtype=dtype)).clamp(max=0)
     behavior = (old + 0.2 * torch.randn(B, T, generator=g, dtype=dtype)).clamp(max=0)
-    for t in (policy, old, behavior):
+    teacher = (old + 0.5 * torch.randn(B, T, generator=g, dtype=dtype)).clamp(max=0)  # opd's teacher
+    for t in (policy, old, behavior, teacher):
         t[~mask] = float("nan")
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=dtype)
     group_ids = torch.tensor([0, 0, 0, 1, 1])
-    return dict(policy=policy, old=old, behavior=behavior, mask=mask, rewards=rewards, group_ids=group_ids,
+    return dict(policy=policy, old=old, behavior=behavior, teacher=teacher, mask=mask, rewards=rewards, group_ids=group_ids,
                 entropies=torch.rand(B, T, generator=g, dtype=dtype), failures=rewards == 0,
                 weights=torch.tensor([1.0, 0.0, 0.5, 1.0, 1.0], dtype=dtype),
                 modalities=("text", "image", "image", "text", "audio"))
@@ -42,7 +44,7 @@ def inputs_for(batch, policy, advantages):
     return LossInputs(policy_logprobs=policy, old_logprobs=batch["old"], behavior_logprobs=batch["behavior"],
                       loss_mask=batch["mask"], advantages=advantages, rewards=batch["rewards"],
                       entropies=batch["entropies"], failures=batch["failures"], modalities=batch["modalities"],
-                      sequence_weights=batch["weights"])
+                      sequence_weights=batch["weights"], teacher_logprobs=batch["teacher"])
 
 
 def full_and_sliced(name, options):
