@@ -66,7 +66,8 @@ def build_agent_parts(config: RunConfig, tokenizer: Any, context: int,
     """The endpoint, its server and the agent pool (not started), and the server; None when the run serves none."""
     if not serves_endpoint(config):
         return None
-    from flashreinforce.endpoint.server import EndpointServer  # the endpoint extra, checked by check_endpoint
+    check_endpoint(config)
+    from flashreinforce.endpoint.server import EndpointServer  # the endpoint extra, just checked
 
     options = config.endpoint
     endpoint = Endpoint(tokenizer, runner=None, model_name=model_name(config), max_context=context,
@@ -84,17 +85,22 @@ def build_agent_parts(config: RunConfig, tokenizer: Any, context: int,
     return AgentParts(endpoint, pool, settings), server
 
 
-async def start_agent_parts(parts: tuple[AgentParts, Any] | None, run_dir: Path) -> None:
-    """Bind the server, write endpoint.json, start the agent workers (an agent that cannot be imported fails
-    here, saying why)."""
+async def start_agent_parts(parts: tuple[AgentParts, Any] | None, run_dir: Path | None) -> None:
+    """Bind the server, write endpoint.json into `run_dir` (a run's; None: an evaluation's, which writes none),
+    start the agent workers (an agent that cannot be imported fails here, saying why)."""
     if parts is None:
         return
     agents, server = parts
     await server.start()
-    path = run_dir / "endpoint.json"
+    if run_dir is not None:
+        write_descriptor(server, agents, run_dir / "endpoint.json")
+    if agents.pool.functions:
+        await agents.pool.start()
+
+
+def write_descriptor(server: Any, agents: AgentParts, path: Path) -> None:
+    """endpoint.json: the URLs, the key and the model, readable by the owner only."""
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the key: its owner only
     with os.fdopen(descriptor, "w") as file:
         json.dump({"base_url": server.base_url(), "episode_base_url": server.base_url("<episode>"),
                    "api_key": server.api_key, "model": agents.endpoint.model_name}, file, indent=2)
-    if agents.pool.functions:
-        await agents.pool.start()

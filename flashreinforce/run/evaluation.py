@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from flashreinforce.run.backends import (
 )
 from flashreinforce.run.data import Data, load_data, tagged
 from flashreinforce.run.directory import read_run_config
+from flashreinforce.run.endpoint import build_agent_parts, start_agent_parts
 from flashreinforce.run.engines import build_engine, engine_shape, model_context
 from flashreinforce.run.policy import load_policy
 from flashreinforce.trainer.checkpoint import latest_checkpoint
@@ -113,8 +115,8 @@ def score_prompts(config: RunConfig, model_dir: Path, data: Data, *, k: int, tem
 
 async def on_fresh_backend(config: RunConfig, model_dir: Path, data: Data, seed: int,
                            job: Callable[[EpisodeBackend, TextEpisodes], Awaitable[T]]) -> T:
-    """job(backend, episodes) on an engine of its own over the model at `model_dir`, with the run's environments
-    and verifiers (no trainer), closed after it whatever happens."""
+    """job(backend, episodes) on an engine of its own over the model at `model_dir`, with the run's environments,
+    agents (and their endpoint) and verifiers (no trainer), closed after it whatever happens."""
     policy = load_policy(model_dir)
     episodes = build_episodes(config, policy.tokenizer, policy.model)
     shape = engine_shape(config, episodes, data, model_context(policy.model), version=0, seed=seed)
@@ -122,13 +124,18 @@ async def on_fresh_backend(config: RunConfig, model_dir: Path, data: Data, seed:
     with build_verifier_pool(config) as pool:
         env_pool = build_env_pool(config)
         inner = LocalBackend(engine, None, pool, policy.tokenizer, overlap=False)
-        backend = build_episode_backend(config, inner, episodes, env_pool, shape.context)
+        stack = contextlib.AsyncExitStack()
+        agents = build_agent_parts(config, policy.tokenizer, shape.context, stack)
+        backend = build_episode_backend(config, inner, episodes, env_pool, shape.context,
+                                        agents[0] if agents is not None else None)
         try:
             if env_pool is not None:
                 await env_pool.start()
+            await start_agent_parts(agents, None)
             return await job(backend, episodes)
         finally:
             await backend.close()
+            await stack.aclose()
             if env_pool is not None:
                 await env_pool.aclose()
 

@@ -102,6 +102,10 @@ def test_an_openai_client_agent_trains_through_the_endpoint(agent_run, tmp_path)
     # behavior log-probs are the trainer's own (tokens trained under the weights that sampled them)
     same = [row["mismatch/same_weights_abs_max"] for row in steps if "mismatch/same_weights_abs_max" in row]
     assert same and max(same) <= 1e-5
+    # a checkpoint of the run evaluates with its agent too (an engine and an endpoint of its own)
+    result = subprocess.run([sys.executable, "-m", "flashreinforce", "eval", str(run_dir), "--k", "1", "--json",
+                             str(tmp_path / "eval.json")], check=True, capture_output=True, text=True, timeout=300)
+    assert json.loads((tmp_path / "eval.json").read_text())["num_prompts"] == 4, result.stdout
 
 
 def test_deterministic_kill_with_agents_in_flight_resumes_to_identical_weights(agent_run, tmp_path):
