@@ -283,3 +283,21 @@ def test_training_runs_on_vllm(tiny_run, tmp_path):
     # of in-flight updates, which abs_logprob_diff counts too, so it depends on timing).
     same = [r for r in rows if r.get("mismatch/same_weights_tokens")]
     assert same and all(r["mismatch/same_weights_abs_max"] < 1e-4 for r in same), same
+
+
+@pytest.mark.endpoint
+def test_an_openai_client_agent_trains_through_the_endpoint_on_vllm(tiny_run, tmp_path):
+    """env.kind=agent over the vLLM adapter: the agent's calls are vLLM requests, token-exact as on our engine."""
+    (tmp_path / "agent.py").write_text("async def run(client, row):\n"
+                                       "    await client.completions.create(model='policy', prompt=row['prompt'])\n")
+    run_dir = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "flashreinforce", "train", "--output", str(run_dir), *tiny_run,
+                    "model.tiny.hidden_size=64", "model.tiny.num_heads=1", "rollout.engine=vllm", "env.kind=agent",
+                    f"env.agent={tmp_path / 'agent.py'}:run"], check=True, timeout=600)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 3 and not summary["dropped_trajectories"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in rows if "loss/policy" in r][-1]["endpoint/calls"] > 0
+    same = [r for r in rows if r.get("mismatch/same_weights_tokens")]
+    assert same and all(r["mismatch/same_weights_abs_max"] < 1e-4 for r in same), same
+
