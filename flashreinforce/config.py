@@ -626,6 +626,13 @@ class TrainerConfig(_Section):
     row gets a microbatch of its own. The learner batch is sorted by length first, so with a budget short
     rows share a forward and long ones do not pad them (the dynamic batch size of verl and OpenRLHF).
     None: microbatch_size rows each."""
+    pack: bool = False
+    """Feed the model each microbatch packed, without padding (docs/packing.md): rows of different lengths side by
+    side in rows as wide as the batch's longest, each row's positions from 0 and attention masks that keep rows
+    apart. Log-probs and losses are the padded path's up to float rounding. A microbatch is then microbatch_size
+    packed rows, fewer where microbatch_tokens would be passed by packed rows x width. Where the model cannot be
+    packed (it reads images, flash or flex attention, a family not tested packed) a warning says so and it
+    trains padded."""
     gradient_checkpointing: bool = False
     """Keep only each decoder layer's input in the forward pass and recompute the layer in the backward pass:
     activation memory of long rows falls to about one layer's, for roughly one more forward of compute. Not

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from flashreinforce.models.packing import Packing, packed_masks
+
 # Row chunks keep the fp32 (rows, T, V) intermediates of the log-softmax near this many elements.
 _CHUNK_ELEMENTS = 1 << 25
 
@@ -86,13 +88,10 @@ def token_logprobs(
     lp_chunks, ent_chunks = [], []
     for start in range(0, B, rows):
         scale = temperature[start : start + rows, None, None].to(logits.device, dtype) if per_row else temperature
-        z = logits[start : start + rows].to(dtype) / scale  # (b, T-first, V)
-        lse = torch.logsumexp(z, dim=-1)  # (b, T-first)
-        lp_chunks.append(z.gather(-1, targets[start : start + rows, :, None]).squeeze(-1) - lse)
-        if with_entropy:
-            with torch.no_grad():
-                p = (z - lse[..., None]).exp()  # (b, T-first, V)
-                ent_chunks.append(-torch.xlogy(p, p).sum(-1))  # xlogy: 0 log 0 = 0
+        logprob, entropy = _distribution_stats(logits[start : start + rows], targets[start : start + rows], scale,
+                                               dtype, with_entropy)
+        lp_chunks.append(logprob)
+        ent_chunks += [entropy] if with_entropy else []
     logprobs = torch.nn.functional.pad(torch.cat(lp_chunks), (first, 0))  # (B, T)
     if banned:  # banned targets are image tokens of the prompt: -inf under the banned distribution, never trained
         logprobs = logprobs.masked_fill(torch.isin(input_ids, torch.tensor(banned, device=input_ids.device)), 0.0)
@@ -106,6 +105,91 @@ def token_logprobs(
     return logprobs, entropies
 
 
+def _distribution_stats(logits: torch.Tensor, targets: torch.Tensor, scale: float | torch.Tensor,
+                        dtype: torch.dtype, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / scale)[targets] and (detached) the entropy of the same distribution, over the last
+    dimension: (..., V), (...) -> (...), (...) or None."""
+    z = logits.to(dtype) / scale  # (..., V)
+    lse = torch.logsumexp(z, dim=-1)  # (...)
+    logprob = z.gather(-1, targets[..., None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logprob, None
+    with torch.no_grad():
+        p = (z - lse[..., None]).exp()  # (..., V)
+        return logprob, -torch.xlogy(p, p).sum(-1)  # xlogy: 0 log 0 = 0
+
+
+def packed_token_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    packing: Packing,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    with_entropy: bool = True,
+    from_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logprobs of right-padded rows, computed on their packed form (models/packing.py): the same values up
+    to float rounding, in the same (B, T) layout, from a forward over `packing.cells` tokens instead of B x T.
+
+    `from_tokens`: (B,) each row's first token whose log-prob is wanted (default 1); the LM head and the softmax
+    run only at the positions that predict a wanted token (transformers' boolean logits_to_keep, where the
+    installed version has it). `temperature`: one, or (B,) one per row. Rows must be right padded
+    (`attention_mask` a prefix of ones in each row, as collate makes them). Returns (logprobs, entropies or None),
+    0 where nothing is wanted.
+    """
+    B, T = input_ids.shape
+    if attention_mask.shape != (B, T) or (packing.rows, packing.row_width) != (B, T):
+        raise ValueError(f"rows {tuple(input_ids.shape)}, mask {tuple(attention_mask.shape)} and packing "
+                         f"({packing.rows}, {packing.row_width}) must agree")
+    real = attention_mask.bool()
+    columns = torch.arange(T, device=input_ids.device)
+    first = torch.ones(B, dtype=torch.long, device=input_ids.device) if from_tokens is None else from_tokens
+    first = first.clamp(min=1)  # token 0 has nothing before it
+    wanted = real & (columns[None] >= first[:, None])  # (B, T): token t's log-prob is wanted
+    # the logits at position t predict token t + 1: keep them where that token is wanted
+    keep = packing.pack(torch.nn.functional.pad(wanted[:, 1:], (0, 1), value=False), False)  # (n, W)
+    next_ids = packing.pack(torch.nn.functional.pad(input_ids[:, 1:], (0, 1)))[keep]  # (N,)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft (LoRA) wrapper's model
+    eager = base.config._attn_implementation == "eager"
+    masks = packed_masks(packing, base.config, base.dtype if eager else None)
+    logits = model(input_ids=packing.pack(input_ids), attention_mask=masks, position_ids=packing.positions,
+                   use_cache=False, **({"logits_to_keep": keep} if _mask_keep(model) else {})).logits
+    if logits.shape[:-1] == keep.shape:
+        logits = logits[keep]  # (N, V)
+    elif logits.shape[:-1] != next_ids.shape:
+        raise ValueError(f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for packed rows "
+                         f"{tuple(keep.shape)} with {int(keep.sum())} positions kept")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    per_row = isinstance(temperature, torch.Tensor)
+    if per_row:
+        temperature = packing.pack(temperature.to(logits.device, dtype)[:, None].expand(B, T).contiguous(), 1.0)[keep]
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+    lp_chunks, ent_chunks = [], []
+    for start in range(0, logits.shape[0], chunk):
+        scale = temperature[start: start + chunk, None] if per_row else temperature
+        logprob, entropy = _distribution_stats(logits[start: start + chunk], next_ids[start: start + chunk], scale,
+                                               dtype, with_entropy)
+        lp_chunks.append(logprob)
+        ent_chunks += [entropy] if with_entropy else []
+
+    def unpacked(values: torch.Tensor) -> torch.Tensor:  # (N,) at kept positions -> (B, T) at the predicted tokens
+        rows = packing.unpack(values.new_zeros(keep.shape).masked_scatter(keep, values))
+        return torch.nn.functional.pad(rows[:, :-1], (1, 0))
+
+    logprobs = unpacked(torch.cat(lp_chunks))
+    entropies = unpacked(torch.cat(ent_chunks)) if with_entropy else None
+    return logprobs, entropies
+
+
+def _mask_keep(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes a boolean (B, T) logits_to_keep: transformers' slice_logits_to_keep (5.2x)
+    reads it as positions to keep, flattened; older versions would index with it wrongly."""
+    from transformers import modeling_utils
+
+    return _takes_logits_to_keep(model) and hasattr(modeling_utils, "slice_logits_to_keep")
+
+
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
     parameters = inspect.signature(model.forward).parameters.values()
     return any(p.name == "logits_to_keep" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
@@ -116,6 +200,13 @@ def first_marked(mask: torch.Tensor) -> int:
     loss trains."""
     marked = mask.bool().any(0)  # (T,)
     return int(marked.int().argmax()) if bool(marked.any()) else mask.shape[1]
+
+
+def first_marked_rows(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) each row's first marked column of a (B, T) mask (T when the row marks none): per-row `from_tokens`."""
+    marked = mask.bool()
+    first = marked.int().argmax(dim=1)
+    return torch.where(marked.any(dim=1), first, torch.full_like(first, mask.shape[1]))
 
 
 def image_arguments(model: Any, images: Sequence[Sequence[bytes]]) -> dict[str, torch.Tensor]:

@@ -88,6 +88,7 @@ def build_trainer(config: RunConfig, model, tokenizer, rank: int = 0) -> Trainer
         device=device,
         sharding=trainer.sharding,
         gradient_checkpointing=trainer.gradient_checkpointing,
+        pack=trainer.pack,
         teachers=load_teachers(config, tokenizer),
     )
 

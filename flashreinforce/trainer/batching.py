@@ -13,11 +13,12 @@ Every per-token tensor stays aligned with input_ids: column j describes token j.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
+from flashreinforce.models.packing import Packing, first_fit_decreasing
 from flashreinforce.types import FORCED_VERSION, Trajectory
 
 
@@ -41,6 +42,7 @@ class TrainBatch:
     images: tuple[tuple[bytes, ...], ...] = ()  # each row's encoded images (prompt's, observations'); () if none
     episode_ids: torch.Tensor | None = None  # (B,) long: rows of one agent episode (its segments) share an id; None
     # when every row is its own episode
+    packing: Packing | None = None  # a microbatch the model reads packed (packed_microbatches); None: as padded
 
     @property
     def num_rows(self) -> int:
@@ -69,6 +71,8 @@ class TrainBatch:
                     value = value[:, :width]
             elif isinstance(value, tuple) and value:
                 value = tuple(value[i] for i in index.tolist()) if isinstance(index, torch.Tensor) else value[index]
+            elif isinstance(value, Packing):
+                value = None  # it places these rows, not a selection of them
             taken[f.name] = value
         return TrainBatch(**taken)
 
@@ -98,6 +102,26 @@ class TrainBatch:
                 stop, longest = stop + 1, longest_with_next
             yield start, self.rows(start, stop)
             start = stop
+
+    def packed_microbatches(self, size: int,
+                            max_tokens: int | None = None) -> Iterator[tuple[torch.Tensor, TrainBatch]]:
+        """(row indices, microbatch) covering every row once, each microbatch packed (models/packing.py): the rows go
+        into packed rows as wide as the longest row, first fit decreasing, and a microbatch takes up to `size` packed
+        rows, fewer where `max_tokens` would be passed by packed rows x that width (at least one). Its `packing` says
+        where each of its rows sits; its other tensors are its rows, padded, as `select` gives them."""
+        lengths = self.attention_mask.sum(dim=1).tolist()
+        width = max(lengths)
+        bins = first_fit_decreasing(lengths, width)
+        per_micro = size if max_tokens is None else max(1, min(size, max_tokens // width))
+        for start in range(0, len(bins), per_micro):
+            group = bins[start: start + per_micro]
+            rows = [row for packed in group for row in packed]
+            index = torch.tensor(rows, device=self.input_ids.device)
+            micro = self._take(index)
+            place = {row: i for i, row in enumerate(rows)}
+            packing = Packing.of([[place[row] for row in packed] for packed in group], [lengths[row] for row in rows],
+                                 micro.input_ids.shape[1], self.input_ids.device)
+            yield index, replace(micro, packing=packing)
 
 
 def collate(trajectories: Sequence[Trajectory], pad_token_id: int,

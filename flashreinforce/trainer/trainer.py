@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +23,10 @@ from flashreinforce.algorithms.dapo import overlong_penalty
 from flashreinforce.algorithms.advantages import single_row_tasks, within_tasks
 from flashreinforce.algorithms.wpsm import QuerySuccess, mean_token_entropy, wpsm_flags, wpsm_weights
 from flashreinforce.models.causal_lm import disable_dropout
-from flashreinforce.models.logprobs import first_marked, token_logprobs
+from flashreinforce.models.logprobs import first_marked, first_marked_rows, packed_token_logprobs, token_logprobs
 from flashreinforce.models.moe import RouteRecorder, RouteReplay, route_shape, set_mismatch
 from flashreinforce.models.numerics import Numerics
+from flashreinforce.models.packing import packing_problem
 from flashreinforce.trainer.batching import TrainBatch, collate, first_rows
 from flashreinforce.trainer.distributed import Shard
 from flashreinforce.trainer.minibatches import OldPass, minibatch_rows, part_norm
@@ -111,6 +113,7 @@ class Trainer:
         sharding: str = "replicate",
         gradient_checkpointing: bool = False,
         teachers: Teachers | None = None,
+        pack: bool = False,
     ) -> None:
         """`numerics`: the trainer's weight format and compute dtype (models/numerics.py); the model is cast
         to it here and its weights become the formatted fp32 masters. `router_replay`: an MoE model's forward
@@ -124,7 +127,9 @@ class Trainer:
         `task_temperatures`: each task's sampling temperature when a mixture's tasks sample at different ones (every
         row's log-probs are recomputed at its own); None: every row at `temperature`.
         `teachers`: each task's frozen teacher (trainer/teachers.py), for a loss that reads their log-probs (opd);
-        they score every row once per batch, before its first optimizer step."""
+        they score every row once per batch, before its first optimizer step.
+        `pack`: the policy's forward reads each microbatch packed, without padding (models/packing.py), where the
+        model allows it (packing_problem); a warning says why where it does not, and it trains padded."""
         if loss not in LOSSES:
             raise ValueError(f"algo.loss={loss!r} is not a known loss; choose one of {sorted(LOSSES)}")
         if LOSSES[loss].needs_teacher != (teachers is not None):
@@ -160,6 +165,7 @@ class Trainer:
         self.grad_clip = optimizer.grad_clip
         self.microbatch_size = microbatch_size
         self.microbatch_tokens = microbatch_tokens
+        self.pack = pack and _packable(self.model)
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.task_temperatures = task_temperatures
@@ -244,6 +250,9 @@ class Trainer:
         own = rows[self.shard.rows(rows.numel()).to(rows.device)]
         if not own.numel():
             return []
+        if self.pack:
+            return [(own[index].to(self.device), micro) for index, micro
+                    in batch.select(own).packed_microbatches(self.microbatch_size, self.microbatch_tokens)]
         return [(own[start: start + micro.num_rows].to(self.device), micro)
                 for start, micro in batch.select(own).microbatches(self.microbatch_size, self.microbatch_tokens)]
 
@@ -396,22 +405,31 @@ class Trainer:
     def _policy_forward(self, micro: TrainBatch, tally: _Tally | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and entropies; an MoE rollout's routes are replayed (R3) or, with replay off,
         compared with the trainer's own choice (mismatch/route_disagreement either way, into `tally`: the forward
-        at theta_old; a later mini-batch's forward passes None)."""
+        at theta_old; a later mini-batch's forward passes None). A packed microbatch's forward reads its rows packed,
+        their routes packed alike."""
+        packing = micro.packing
+
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            if packing is not None:
+                return packed_token_logprobs(self.model, micro.input_ids, micro.attention_mask, packing,
+                                             temperature=self._temperature(micro), with_entropy=True,
+                                             from_tokens=first_marked_rows(micro.loss_mask))
             return token_logprobs(self.model, micro.input_ids, micro.attention_mask,
                                   temperature=self._temperature(micro), with_entropy=True, images=micro.images,
                                   from_token=first_marked(micro.loss_mask))
         if micro.routes is None:
             return forward()
+        routes = micro.routes if packing is None else packing.pack(micro.routes, fill=-1)  # -1: the router's own
         if self.router_replay:
-            with RouteReplay(self.model, micro.routes) as replay:
+            with RouteReplay(self.model, routes) as replay:
                 outputs = forward()
             if tally is not None:
                 tally.mismatch.add_routes(*replay.disagreement())
             return outputs
         with RouteRecorder(self.model) as recorder:
             outputs = forward()
-        own = recorder.take().view(micro.routes.shape)  # (b, T, layers, k)
+        own = recorder.take().view(routes.shape)
+        own = own if packing is None else packing.unpack(own, fill=-1)  # (b, T, layers, k)
         recorded = micro.routes[..., 0] >= 0  # (b, T, layers)
         differing = set_mismatch(micro.routes.long(), own.long()) & recorded
         if tally is not None:
@@ -592,7 +610,7 @@ class _Tally:
     k3_mismatch: float = 0.0
     wpsm_flagged: int = 0
     padded_cells: int = 0
-    """(rows x width) actually fed to the model."""
+    """(rows x width) actually fed to the model (packed rows x their width for a packed microbatch)."""
     real_cells: int = 0
     mismatch: MismatchTally = field(default_factory=MismatchTally)
     group_rows: list[torch.Tensor] = field(default_factory=list)
@@ -608,7 +626,7 @@ class _Tally:
         """One microbatch; `share`: its mini-batch's weight in the step's loss and loss stats (1 / mini-batches),
         which are then means over the step's optimizer steps."""
         self.loss += share * float(loss.detach())
-        self.padded_cells += micro.attention_mask.numel()
+        self.padded_cells += micro.attention_mask.numel() if micro.packing is None else micro.packing.cells
         self.real_cells += int(micro.attention_mask.sum())
         for name, value in stats.items():
             if value.dim() == 0:
@@ -708,6 +726,14 @@ class _Tally:
                 if distill:
                     metrics[f"{prefix}/{name}/reverse_kl"] = float(own[:, 8].sum()) / tokens
         return metrics
+
+
+def _packable(model: torch.nn.Module) -> bool:
+    """Whether trainer.pack can pack this model's rows; a warning says why not (it then trains padded)."""
+    problem = packing_problem(model)
+    if problem is not None:
+        warnings.warn(f"trainer.pack: {problem}; this model trains padded (docs/config.md, trainer.pack)", stacklevel=3)
+    return problem is None
 
 
 def _batch_metrics(batch: TrainBatch, trajectories: Sequence[Trajectory], targets: _Targets) -> dict[str, float]:

@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "real_model.py"
 
 
 @pytest.mark.slow
-def test_quick_run_reports_the_machine_the_engine_and_the_trainer(tmp_path):
+def test_quick_run_reports_the_machine_the_engine_the_trainer_and_packing(tmp_path):
     out = tmp_path / "real_model.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], check=False, timeout=300,
                           capture_output=True, text=True, cwd=SCRIPT.parent)
@@ -34,4 +34,11 @@ def test_quick_run_reports_the_machine_the_engine_and_the_trainer(tmp_path):
     for step in report["trainer"]:
         parts = step["forward"] + step["backward"] + step["optimizer"] + step["other"]
         assert parts == pytest.approx(step["step"], rel=1e-6) and min(step["forward"], step["backward"]) > 0, step
+    packing = {(row["precision"], row["microbatches"]): row for row in report["packing"]}
+    assert set(packing) == {(p, m) for p in ("fp32", "bf16") for m in ("padded", "packed")}
+    for precision in ("fp32", "bf16"):
+        padded, packed = packing[precision, "padded"], packing[precision, "packed"]
+        assert padded["packed / padded"] == 1.0 and packed["tokens/s"] > 0
+        assert packed["packed / padded"] == pytest.approx(packed["tokens/s"] / padded["tokens/s"])
+        assert 0 <= packed["padding fraction"] < 1 and 0 <= padded["padding fraction"] < 1
     assert "recipe" not in report  # --quick never starts a real run

@@ -28,7 +28,7 @@ def model(num_experts: int = 0) -> torch.nn.Module:
 
 
 def trainer(net: torch.nn.Module, grads_to: str | None = None, rank: int = 0, sharding: str = "replicate",
-            precision: str | Numerics = "fp32", lora: bool = False, minibatches: int = 1) -> Trainer:
+            precision: str | Numerics = "fp32", lora: bool = False, minibatches: int = 1, pack: bool = False) -> Trainer:
     """fp32, no clipping (so the recorded gradient is the raw sum), two-row microbatches, the entropy filter on;
     `lora`: rank-4 adapters on every attention and MLP projection (B starts at 0, so A's first gradient is 0).
     With `grads_to`, every optimizer step first saves the gradient it steps with to grads_to/rank<r>.pt (a
@@ -40,7 +40,7 @@ def trainer(net: torch.nn.Module, grads_to: str | None = None, rank: int = 0, sh
                                     min_lr_ratio=1.0, grad_clip=math.inf),
         microbatch_size=2, pad_token_id=0, temperature=1.0, max_new_tokens=16, sharding=sharding,
         numerics=precision if isinstance(precision, Numerics) else Numerics(precision),
-        lora=LoraSettings(r=4, alpha=8.0, seed=3) if lora else None, minibatches=minibatches)
+        lora=LoraSettings(r=4, alpha=8.0, seed=3) if lora else None, minibatches=minibatches, pack=pack)
     if grads_to is not None:
         path = os.path.join(grads_to, f"rank{rank}.pt")
         built.optimizer.register_step_pre_hook(
@@ -55,11 +55,11 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def rank_trainer(net: torch.nn.Module, grads_to: str, sharding: str, precision: str | Numerics, group: RankGroup,
-                 lora: bool = False, minibatches: int = 1) -> Trainer:
+                 lora: bool = False, minibatches: int = 1, pack: bool = False) -> Trainer:
     """The factory each rank's process runs (module level: importable there by name)."""
     torch.set_num_threads(1)
     join_group(group)
-    return trainer(net, grads_to, group.rank, sharding, precision, lora, minibatches)
+    return trainer(net, grads_to, group.rank, sharding, precision, lora, minibatches, pack)
 
 
 def failing_rank_trainer(net: torch.nn.Module, grads_to: str, sharding: str, precision: str,
@@ -93,9 +93,10 @@ def batch(rows: int = 7, seed: int = 0, num_experts: int = 0) -> list[Trajectory
 
 
 def group(tmp_path, world_size: int = 2, sharding: str = "replicate", precision: str | Numerics = "fp32",
-          net: torch.nn.Module | None = None, lora: bool = False, minibatches: int = 1) -> TrainerGroup:
+          net: torch.nn.Module | None = None, lora: bool = False, minibatches: int = 1,
+          pack: bool = False) -> TrainerGroup:
     net = net or model()
-    factory = functools.partial(rank_trainer, lora=lora, minibatches=minibatches)
+    factory = functools.partial(rank_trainer, lora=lora, minibatches=minibatches, pack=pack)
     return TrainerGroup(factory, (net, str(tmp_path), sharding, precision), world_size=world_size,
                         backend="gloo", template=net.state_dict(), threads=1, sharded=sharding == "fsdp")
 
@@ -164,6 +165,25 @@ def test_minibatches_on_gloo_ranks_step_as_one_process(tmp_path, one_thread, sha
         assert_each_rank_stepped_with(reference, tmp_path)
         for name in ("loss/policy", "optim/grad_norm", "entropy/mean", "batch/policy_tokens"):
             assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+        for name, tensor in single.weights().items():
+            torch.testing.assert_close(ranks.weights()[name], tensor, rtol=0, atol=1e-5)
+    finally:
+        ranks.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
+def test_packed_ranks_step_as_one_padded_process(tmp_path, one_thread, sharding):
+    """trainer.pack on 2 ranks: each rank packs its own share of the rows (sharded: the rank with fewer microbatches
+    runs idle passes, as padded), and the gradient and weights are the one padded process's."""
+    single, expected, reference = one_process_step(tmp_path, model(), batch(9))
+    ranks = group(tmp_path, 2, sharding, pack=True)
+    try:
+        got = ranks.step(batch(9))
+        assert_each_rank_stepped_with(reference, tmp_path)
+        for name in ("loss/policy", "optim/grad_norm", "entropy/mean", "batch/policy_tokens"):
+            assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+        assert got["batch/padding_fraction"] < expected["batch/padding_fraction"]
         for name, tensor in single.weights().items():
             torch.testing.assert_close(ranks.weights()[name], tensor, rtol=0, atol=1e-5)
     finally:
