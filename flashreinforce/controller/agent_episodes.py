@@ -154,6 +154,9 @@ class AgentEpisodes:
 
     def start(self, rid: str, prompt: Prompt, params: SamplingParams, prefix: Generation | None = None) -> None:
         """Run the agent for a new episode, or re-run it over `prefix`'s record (a checkpoint's, an abort's)."""
+        if prompt.images:
+            raise ValueError(f"prompt {prompt.id} has images, and an agent's row and the endpoint carry text only: "
+                             "give an agent task text rows")
         replay = prefix.episode.calls if prefix is not None and prefix.episode is not None else ()
         live = _Live(rid, prompt, params, self.endpoint.open_episode(rid, params, replay))
         self.live[rid] = live

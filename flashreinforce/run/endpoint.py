@@ -43,6 +43,9 @@ def check_endpoint(config: RunConfig) -> None:
         why = "env.kind=agent" if agent_functions(config) else "endpoint.serve=true"
         raise ValueError(f"{why} needs {' and '.join(missing)}: {EXTRA_HINT}")
     chat_template(config)
+    if config.backend.kind != "local":
+        raise ValueError(f"the endpoint (env.kind=agent, endpoint.serve) runs with backend.kind=local; "
+                         f"backend.kind={config.backend.kind} does not serve it yet")
 
 
 def chat_template(config: RunConfig) -> str | None:

@@ -272,3 +272,48 @@ def test_a_run_whose_every_agent_episode_fails_stops_saying_why(word_model, chat
                 await backend.finished()  # the loop's next wait
     asyncio.run(main())
 
+
+def test_calls_outside_any_episode_are_served_beside_the_runs_episodes_and_through_a_pause(word_model,
+                                                                                        chat_tokenizer):
+    """endpoint.serve: /v1 calls use the policy, wait out a pause like the run's requests, and train nothing."""
+    import openai
+
+    from flashreinforce.endpoint.server import EndpointServer
+
+    async def main():
+        tok = chat_tokenizer
+        engine = Engine(copy.deepcopy(word_model), max_batch_size=8, max_context=CONTEXT,
+                        eos_token_ids=tok.eos_token_id, pad_token_id=tok.pad_token_id, tokenizer=tok)
+        endpoint = Endpoint(tok, None, model_name="tiny", max_context=CONTEXT, max_new_tokens=6)
+        server = EndpointServer(endpoint, api_key="key")
+        await server.start()
+        backend = EpisodeBackend(LocalBackend(engine, None, NoVerifiers(), tok, overlap=True), TextEpisodes(tok),
+                                 agents=AgentParts(endpoint, AgentPool({}), Settings(server.base_url, "key")))
+        try:
+            backend.start("p0#0", prompt(0), params(0))
+            client = openai.AsyncOpenAI(base_url=server.base_url(), api_key="key", max_retries=0)
+            calls = [asyncio.ensure_future(client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=6)) for i in range(4)]
+            while endpoint.pending < 4:
+                await asyncio.sleep(0.001)
+            partials, _ = await backend.pause()
+            assert backend.agents.calls.held, "no call was caught by the pause"
+            await backend.resume(partials)
+            ended = []
+
+            async def loop_wait():  # the loop's wait on the backend, which also hands the calls their answers
+                while True:
+                    ended.extend(await backend.finished())
+            waiting = asyncio.ensure_future(loop_wait())
+            replies = await asyncio.gather(*calls)
+            while not ended:
+                await asyncio.sleep(0.01)
+            waiting.cancel()
+            return replies, ended, endpoint
+        finally:
+            await backend.close()
+            await server.stop()
+    replies, ended, endpoint = asyncio.run(main())
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in replies)
+    assert [g.request_id for g in ended] == ["p0#0"] and endpoint.counts["calls"] == 4 and not endpoint.episodes
+
