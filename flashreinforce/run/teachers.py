@@ -50,7 +50,9 @@ def load_teacher(teacher: TeacherConfig, student_tokenizer: Any, *, field: str) 
     if problem is not None:
         raise ValueError(f"{field}.path={teacher.path}: {problem}; a teacher scores the student's token ids, so it "
                          "must share the student's tokenizer (a same-family model whose ids map exactly)")
-    model = load_model(path, dtype=PRECISIONS[teacher.precision])
+    # Loaded in fp32 and cast, as the trainer casts the student: a bf16 teacher equal to a bf16 student then
+    # computes exactly as the student does (buffers such as RoPE's frequencies included) and teaches nothing.
+    model = load_model(path, dtype=torch.float32).to(PRECISIONS[teacher.precision])
     disable_dropout(model)
     return model
 

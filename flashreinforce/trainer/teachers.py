@@ -3,7 +3,8 @@
 Each task has one teacher (several tasks may share one: multi-teacher distillation is each task's rows scored by
 its own expert). A teacher is a causal LM in eval mode, without gradients, in its own precision; it never
 generates. It scores with the trainer's own log-prob forward (models/logprobs.py) at each row's sampling
-temperature, so a teacher equal to the student gives exactly the student's recomputed log-probs and a zero signal.
+temperature, on the rows padded, so a teacher equal to the student gives exactly the student's recomputed log-probs
+and a zero signal (with trainer.pack the student's packed forward agrees to float rounding).
 What it knows nothing about: where a teacher comes from and whether its vocabulary is the student's
 (run/teachers.py checks that when it loads one), and the loss (algorithms/distill.py).
 """

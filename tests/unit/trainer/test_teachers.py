@@ -20,13 +20,13 @@ from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory,
 VOCAB, TEMPERATURE = 12, 0.7
 
 
-def _rows(count: int = 9, seed: int = 0) -> list[Trajectory]:
-    """Rows of lengths 4..11 with prompts of 2-3 tokens, alternating tasks a and b (behavior log-probs are made up:
-    the loss tests do not read them here)."""
+def _rows(count: int = 9, seed: int = 0, shortest: int = 4) -> list[Trajectory]:
+    """Rows of lengths shortest..shortest+7 with prompts of 2-3 tokens, alternating tasks a and b (behavior
+    log-probs are made up: the loss tests do not read them here)."""
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for row in range(count):
-        length, prompt = 4 + row % 8, 2 + row % 2
+        length, prompt = shortest + row % 8, 2 + row % 2
         tokens = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
         mask = tuple(int(i >= prompt) for i in range(length))
         task = "ab"[row % 2]
@@ -39,12 +39,12 @@ def _rows(count: int = 9, seed: int = 0) -> list[Trajectory]:
     return rows
 
 
-def _trainer(model, teachers, *, minibatches=1, microbatch_size=3, lr=1e-2):
+def _trainer(model, teachers, *, minibatches=1, microbatch_size=3, lr=1e-2, pack=False):
     return Trainer(model, loss="opd", loss_options={},
                    optimizer=OptimizerSettings(lr=lr, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0,
                                                total_steps=10, min_lr_ratio=1.0, grad_clip=1e9),
                    microbatch_size=microbatch_size, microbatch_tokens=24, pad_token_id=0, temperature=TEMPERATURE,
-                   max_new_tokens=16, minibatches=minibatches, teachers=teachers)
+                   max_new_tokens=16, minibatches=minibatches, teachers=teachers, pack=pack)
 
 
 def _own_forward(model, tokens) -> torch.Tensor:
@@ -54,12 +54,14 @@ def _own_forward(model, tokens) -> torch.Tensor:
     return torch.cat([torch.zeros(1), logits[:-1].log_softmax(-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]])
 
 
-def test_a_teacher_scored_batch_is_each_teachers_own_full_forward():
-    """Two teachers (task a's, task b's) score a batch cut into mini-batches and token-budget microbatches: every
-    row's loss tokens get its own teacher's full-forward log-probs to 1e-5 (fp32)."""
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_teacher_scored_batch_is_each_teachers_own_full_forward(pack):
+    """Two teachers (task a's, task b's) score a batch cut into mini-batches and token-budget microbatches (padded,
+    or packed: trainer.pack): every row's loss tokens get its own teacher's full-forward log-probs to 1e-5 (fp32)."""
     student = build_model(VOCAB, 16, 1, 2, 32, seed=1)
     teacher_a, teacher_b = build_model(VOCAB, 24, 2, 2, 32, seed=2), build_model(VOCAB, 16, 1, 2, 32, seed=3)
-    trainer = _trainer(student, Teachers({"a": teacher_a, "b": teacher_b}), minibatches=2)
+    trainer = _trainer(student, Teachers({"a": teacher_a, "b": teacher_b}), minibatches=2, pack=pack)
+    assert trainer.pack == pack
     rows = sorted(_rows(), key=lambda t: len(t.tokens))
     batch = collate(rows, 0)
     splits = [trainer._own_microbatches(batch, part) for part in
@@ -152,6 +154,28 @@ def test_a_teacher_with_another_vocabulary_is_refused_when_it_loads(tmp_path):
         load_teacher(TeacherConfig(path=str(tmp_path / "missing")), student, field="teachers.all")
     with pytest.raises(ValueError, match="only inside a pipeline"):
         load_teacher(TeacherConfig(stage="reason"), student, field="teachers.all")
+
+
+def test_a_bf16_teacher_equal_to_a_bf16_student_teaches_nothing(tmp_path):
+    """The teacher is cast to its precision as the trainer casts the student, buffers included (a Llama loaded
+    straight in bf16 keeps RoPE's frequencies in fp32, the cast student has them in bf16: 2e-3 apart at 60
+    tokens), so the same model in bf16 on both sides gives a signal of exactly 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flashreinforce.models import load_model
+    from flashreinforce.models.numerics import Numerics
+
+    directory, tokenizer = _saved(tmp_path, "model", "0123456789+=")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=128)).save_pretrained(directory)
+    teacher = load_teacher(TeacherConfig(path=str(directory), precision="bf16"), tokenizer, field="teachers.all")
+    trainer = Trainer(load_model(directory), loss="opd", loss_options={},
+                      optimizer=OptimizerSettings(1e-2, 0.0, (0.9, 0.999), 0, 10, 1.0, 1e9), microbatch_size=4,
+                      pad_token_id=0, temperature=TEMPERATURE, max_new_tokens=80, numerics=Numerics("bf16"),
+                      teachers=Teachers({"a": teacher, "b": teacher}))
+    metrics = trainer.step(_rows(shortest=56))
+    assert metrics["loss/reverse_kl"] == 0.0 and metrics["optim/grad_norm"] == 0.0
 
 
 def test_each_distinct_teacher_is_loaded_once(tmp_path):
