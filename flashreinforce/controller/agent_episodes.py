@@ -86,14 +86,14 @@ class AgentEpisodes:
     """The agent episodes of an EpisodeBackend, and the endpoint's CallRunner."""
 
     def __init__(self, inner: Backend, endpoint: Endpoint, pool: AgentPool, settings: Settings, *,
-                 on_end: Callable[[Generation, str], None], empty: Callable[[str], Generation],
-                 reward_needed: Callable[[str], bool], wake: Callable[[], None]) -> None:
+                 on_end: Callable[[Generation, str], None], reward_needed: Callable[[str], bool],
+                 wake: Callable[[], None], fail: Callable[[Exception], None]) -> None:
         """on_end(row, end): an episode ended (its row, and why: done, agent_error: ..., agent_no_calls);
-        empty(rid): a row with nothing sampled, for an episode that never called the model; reward_needed(rid):
-        whether the episode's task takes its reward from the agent (env.reward=env); wake(): work reached the
-        engine (whoever waits for finished requests must wait on it too)."""
+        reward_needed(rid): whether the episode's task takes its reward from the agent (env.reward=env); wake():
+        work reached the engine (whoever waits for finished requests must wait on it too); fail(error): an error
+        where the loop cannot see it (an agent's task), for the loop to stop the run with."""
         self.inner, self.endpoint, self.pool, self.settings = inner, endpoint, pool, settings
-        self.on_end, self.empty, self.reward_needed, self.wake = on_end, empty, reward_needed, wake
+        self.on_end, self.reward_needed, self.wake, self.fail = on_end, reward_needed, wake, fail
         self.live: dict[str, _Live] = {}
         self.calls = _Calls()
         self.answers: dict[str, str] = {}
@@ -164,16 +164,20 @@ class AgentEpisodes:
         self.changed.set()
 
     async def _run(self, live: _Live) -> None:
-        # Each run of the agent under its own name: a restarted episode's run is never taken for its last one's.
-        outcome = await self.pool.run(live.endpoint.id, agent_row(live.prompt),
-                                      self.settings.base_url(live.endpoint.id), self.settings.api_key)
-        if self.live.get(live.request_id) is not live:  # aborted meanwhile
-            return
-        if self.settings.lockstep or live.request_id in self.frozen:  # taken at a settle, or at the resume: an
-            live.outcome = outcome  # episode a pause handed to the loop as a partial must not end behind its back
-            self.changed.set()
-        else:
-            await self._finish(live, outcome)
+        """The agent's run in the pool (its own failures come back as an outcome); then the episode's end."""
+        try:
+            # Each run of the agent under its own name: a restarted episode's run is never taken for its last one's.
+            outcome = await self.pool.run(live.endpoint.id, agent_row(live.prompt),
+                                          self.settings.base_url(live.endpoint.id), self.settings.api_key)
+            if self.live.get(live.request_id) is not live:  # aborted meanwhile
+                return
+            if self.settings.lockstep or live.request_id in self.frozen:  # taken at a settle, or at the resume: an
+                live.outcome = outcome  # episode a pause handed the loop as a partial must not end behind its back
+                self.changed.set()
+            else:
+                await self._finish(live, outcome)
+        except Exception as error:  # noqa: BLE001 - a task's raise would be lost: the loop stops the run with it
+            self.fail(error)
 
     async def _finish(self, live: _Live, outcome: AgentOutcome) -> None:
         """The agent returned or failed: end the episode, or re-run it once when its worker was lost."""
@@ -201,8 +205,10 @@ class AgentEpisodes:
         state = EpisodeState(seed=live.params.seed or 0, calls=tuple(sorted(calls, key=lambda c: c.index)),
                              rewards=() if value.get("reward") is None else (value["reward"],),
                              success=value.get("passed"))
-        if not segments:
-            empty = replace(self.empty(live.request_id), episode=state, finish_reason="stop")
+        if not segments:  # a row of nothing sampled: its group is dropped, never trained
+            empty = Generation(request_id=live.request_id, prompt_ids=(self.endpoint.tokenizer.eos_token_id,),
+                               token_ids=(), behavior_logprobs=(), policy_versions=(), loss_mask=(),
+                               finish_reason="stop", params=live.params, episode=state)
             return empty, failure or "agent_no_calls"
         row = segments[last]
         state = replace(state, segments=tuple(s for k, s in enumerate(segments) if k != last))

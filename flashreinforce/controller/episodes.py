@@ -147,8 +147,8 @@ class EpisodeBackend:
         self._agent_failures = 0
         """Agent episodes failed in a row (AGENT_FAILURES_IN_A_ROW)."""
         self.agents = None if agents is None else AgentEpisodes(
-            inner, agents.endpoint, agents.pool, agents.settings, on_end=self._agent_ended, empty=self._empty,
-            reward_needed=lambda rid: self.route(rid).reward == "env", wake=self._wake.set)
+            inner, agents.endpoint, agents.pool, agents.settings, on_end=self._agent_ended,
+            reward_needed=lambda rid: self.route(rid).reward == "env", wake=self._wake.set, fail=self._fail)
 
     # ---- delegated --------------------------------------------------------------------------------------
 
@@ -265,6 +265,11 @@ class EpisodeBackend:
             # episode's (after an abort, a restarted episode's own step may be running)
             task.add_done_callback(lambda done, rid=rid: self._take_step_soon(rid) if self._stepping.get(rid) is done
                                    and rid not in self._held and not self._pausing else None)
+
+    def _fail(self, error: Exception) -> None:
+        """An error raised where the loop could not see it: finished() raises it, which stops the run."""
+        self._failure = error
+        self._wake.set()
 
     def _take_step_soon(self, rid: str) -> None:
         """_take_step from a done-callback, where a raise would be logged and lost: finished() re-raises it."""
