@@ -78,9 +78,6 @@ class EndpointEpisode:
     """Calls that returned, in the order they did."""
     heads: list[Head] = field(default_factory=list)
     next_index: int = 0
-    pending: int = 0
-    """Calls in the engine (or queued for it)."""
-    closed: bool = False
 
     def take_replay(self, digest: str) -> CallRecord | None:
         """The recorded call this request renders to; the first request that renders to none ends the replay."""
@@ -100,8 +97,9 @@ def call_seed(params: SamplingParams, index: int, requested: int | None) -> int:
 class Endpoint:
     """Renders, records and answers OpenAI requests over a CallRunner."""
 
-    def __init__(self, tokenizer: Any, runner: CallRunner, *, model_name: str, max_context: int,
+    def __init__(self, tokenizer: Any, runner: CallRunner | None, *, model_name: str, max_context: int,
                  max_new_tokens: int, chat_template: str | None = None, max_pending: int = 1024) -> None:
+        """runner: how calls reach the engine (None until the run's episode machinery takes the endpoint)."""
         self.tokenizer, self.runner, self.model_name = tokenizer, runner, model_name
         self.max_context, self.max_new_tokens, self.max_pending = max_context, max_new_tokens, max_pending
         self.renderer = ChatRenderer(tokenizer, chat_template)
@@ -123,7 +121,6 @@ class Endpoint:
     def close_episode(self, episode_id: str) -> EndpointEpisode:
         """Later requests to it get a 410; its unused replay is counted."""
         episode = self.episodes.pop(episode_id)
-        episode.closed = True
         self.counts["replay_unused"] += len(episode.replay)
         return episode
 
@@ -285,22 +282,19 @@ class Endpoint:
             call = Call(f"{episode.request_id}@{index}" if episode else f"serve-{index}",
                         episode.request_id if episode else None, index, digest, tuple(prompt_ids),
                         record.generation.params if record else params, record.generation if record else None)
-            generation = await self._engine(episode, call)
+            generation = await self._engine(call)
         if episode is not None:
             episode.calls.append(CallRecord(index, digest, generation))
         self.counts["calls"] += 1
         return generation, index
 
-    async def _engine(self, episode: EndpointEpisode | None, call: Call) -> Generation:
-        self.pending += 1
-        if episode is not None:
-            episode.pending += 1
+    async def _engine(self, call: Call) -> Generation:
+        """The call's generation from the engine; a 410 when its episode ended (or was aborted) meanwhile."""
+        self.pending += 1  # calls waiting for the engine: past max_pending, requests are answered 429
         try:
             generation = await self.runner.submit(call)
         finally:
             self.pending -= 1
-            if episode is not None:
-                episode.pending -= 1
         if generation.finish_reason == "abort":
             raise APIError(410, f"the episode of call {call.request_id} ended while the call ran",
                            code="episode_ended")
