@@ -17,11 +17,15 @@ from typing import Any
 from flashreinforce.config import RunConfig
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.metrics.console import Reporter
+from flashreinforce.models.causal_lm import check_model_dir
+from flashreinforce.models.hub import is_hub_id
+from flashreinforce.models.tokenizer import load_tokenizer
 from flashreinforce.run.data import Data
 from flashreinforce.run.directory import read_json, write_json_atomic
 from flashreinforce.run.evaluation import on_fresh_backend, resolve_model_dir
 from flashreinforce.run.hooks import HeldOut
-from flashreinforce.run.policy import resolve_model_path
+from flashreinforce.run.policy import resolve_model_path, tiny_tokenizer
+from flashreinforce.run.teachers import vocabulary_problem
 from flashreinforce.types import Prompt
 
 
@@ -40,6 +44,32 @@ def resolve_teachers(config: RunConfig, stage_models: Mapping[str, Path]) -> Run
         path = stage_models[teacher.stage] if teacher.stage is not None else teacher_model_dir(teacher.path, field)
         resolved[task] = teacher.model_copy(update={"path": str(path), "stage": None})
     return config.model_copy(update={"teachers": resolved})
+
+
+def check_teachers(config: RunConfig, run: RunConfig) -> None:
+    """Before any work (each stage's `config` at a pipeline's start, `run` the whole recipe; `train --dry-run`):
+    every teacher named by path is a model there is, its directory intact, that reads the student's token ids (a
+    Hugging Face id not on this machine is fetched and checked when its stage starts; a `stage:` teacher is the
+    pipeline's own model)."""
+    named = {task: teacher.path for task, teacher in (config.teachers or {}).items()
+             if teacher.path is not None and not is_hub_id(teacher.path)}
+    student = student_tokenizer(run) if named else None
+    for task, path in named.items():
+        field = f"teachers.{task}.path"
+        directory = check_model_dir(teacher_model_dir(path, f"teachers.{task}"), field=field)
+        problem = None if student is None else vocabulary_problem(student, load_tokenizer(directory))
+        if problem is not None:
+            raise ValueError(f"{field}={path}: {problem}; a teacher scores the student's token ids, so it must share "
+                             "the student's tokenizer (a same-family model whose ids map exactly)")
+
+
+def student_tokenizer(run: RunConfig) -> Any:
+    """The student's tokenizer, as the run will build it: model.path's (None for a Hugging Face id not on this
+    machine yet), or the tiny model's, which holds every stage's tasks' characters."""
+    if run.model.path is not None:
+        return None if is_hub_id(run.model.path) else load_tokenizer(resolve_model_path(run.model.path))
+    stages = [run.stage(index) for index in range(len(run.stages))] if run.stages else [run]
+    return tiny_tokenizer(stages[0], [task.data.kind for stage in stages for _, task in stage.task_list()])
 
 
 def teacher_model_dir(path: str, field: str) -> Path:

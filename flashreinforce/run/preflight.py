@@ -1,7 +1,8 @@
 """`flashreinforce train --dry-run`: the config a run would use, and the checks it makes before it trains.
 
 The checks are the run's own (run_training and run_stage call the same functions), made for every stage up
-front: the parts the run builds (check_buildable: loss and its options, engine, backend, environments, LoRA),
+front: the parts the run builds (check_buildable: loss and its options, engine, backend, environments, LoRA;
+check_teachers: the teachers named by path),
 its data (built-in tasks generated, files read and every row parsed), each task's verifier (a user function
 imported and its signature checked; rows that reach a registered verifier carry ground truths it can read), and
 that the tiny model's context holds the run. No model is loaded and nothing is trained.
@@ -16,6 +17,7 @@ import yaml
 from flashreinforce.config import STAGE_SECTIONS, RunConfig
 from flashreinforce.run.backends import check_buildable, check_verifiers
 from flashreinforce.run.data import load_data
+from flashreinforce.run.distill import check_teachers
 from flashreinforce.run.engines import check_tiny_context
 from flashreinforce.verifiers.rewards import load_reward_fn, resolve_reward_ref
 
@@ -29,6 +31,7 @@ def check_run(config: RunConfig) -> str:
         try:
             if kind != "sft":  # an sft stage builds no engine, backend or environment of its own
                 check_buildable(stage_config)
+                check_teachers(stage_config, config)
             data = load_data(stage_config)
             check_verifiers(stage_config, data)
             check_user_verifiers(stage_config)

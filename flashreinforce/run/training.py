@@ -40,7 +40,7 @@ from flashreinforce.run.backends import (
 )
 from flashreinforce.run.data import Data, load_data
 from flashreinforce.run.directory import create_run_dir, read_json, write_json_atomic
-from flashreinforce.run.distill import resolve_teachers, teacher_evaluation
+from flashreinforce.run.distill import check_teachers, resolve_teachers, teacher_evaluation
 from flashreinforce.run.endpoint import build_agent_parts, start_agent_parts
 from flashreinforce.run.engines import check_tiny_context, engine_shape, model_context, rollout_params
 from flashreinforce.run.hooks import CheckpointWriter, HeldOut, StepLog
@@ -66,6 +66,7 @@ def run_training(config: RunConfig, *, run_dir: Path | None = None, resume: bool
             if stage.kind != "sft":
                 try:
                     check_buildable(config.stage(index))
+                    check_teachers(config.stage(index), config)
                 except ValueError as error:
                     raise ValueError(f"stages[{index}] ({stage.name}): {error}") from None
         return run_stages(config, run_dir, resume, reporter, run_rl_stage=run_stage)
