@@ -25,7 +25,7 @@ from flashreinforce.run.directory import read_json, write_json_atomic
 from flashreinforce.run.evaluation import on_fresh_backend, resolve_model_dir
 from flashreinforce.run.hooks import HeldOut
 from flashreinforce.run.policy import resolve_model_path, tiny_tokenizer
-from flashreinforce.run.teachers import vocabulary_problem
+from flashreinforce.run.teachers import check_vocabulary
 from flashreinforce.types import Prompt
 
 
@@ -55,12 +55,9 @@ def check_teachers(config: RunConfig, run: RunConfig) -> None:
              if teacher.path is not None and not is_hub_id(teacher.path)}
     student = student_tokenizer(run) if named else None
     for task, path in named.items():
-        field = f"teachers.{task}.path"
-        directory = check_model_dir(teacher_model_dir(path, f"teachers.{task}"), field=field)
-        problem = None if student is None else vocabulary_problem(student, load_tokenizer(directory))
-        if problem is not None:
-            raise ValueError(f"{field}={path}: {problem}; a teacher scores the student's token ids, so it must share "
-                             "the student's tokenizer (a same-family model whose ids map exactly)")
+        directory = check_model_dir(teacher_model_dir(path, f"teachers.{task}"), field=f"teachers.{task}.path")
+        if student is not None:
+            check_vocabulary(student, directory, field=f"teachers.{task}.path={path}")
 
 
 def student_tokenizer(run: RunConfig) -> Any:

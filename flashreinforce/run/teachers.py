@@ -10,6 +10,7 @@ Where a teacher's directory comes from (a stage, a run, the Hub): run/distill.py
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,15 +47,21 @@ def load_teacher(teacher: TeacherConfig, student_tokenizer: Any, *, field: str) 
         raise ValueError(f"{field}.stage={teacher.stage}: a stage's model is a teacher only inside a pipeline (a stage "
                          f"of `stages:` after it); in a run of its own, set {field}.path to a model or a run directory")
     path = check_model_dir(teacher.path, field=f"{field}.path")
-    problem = vocabulary_problem(student_tokenizer, load_tokenizer(path))
-    if problem is not None:
-        raise ValueError(f"{field}.path={teacher.path}: {problem}; a teacher scores the student's token ids, so it "
-                         "must share the student's tokenizer (a same-family model whose ids map exactly)")
+    check_vocabulary(student_tokenizer, path, field=f"{field}.path={teacher.path}")
     # Loaded in fp32 and cast, as the trainer casts the student: a bf16 teacher equal to a bf16 student then
     # computes exactly as the student does (buffers such as RoPE's frequencies included) and teaches nothing.
     model = load_model(path, dtype=torch.float32).to(PRECISIONS[teacher.precision])
     disable_dropout(model)
     return model
+
+
+def check_vocabulary(student: Any, directory: Path, *, field: str) -> None:
+    """The tokenizer in `directory` reads the student's token ids as the student does, or a ValueError after
+    `field`."""
+    problem = vocabulary_problem(student, load_tokenizer(directory))
+    if problem is not None:
+        raise ValueError(f"{field}: {problem}; a teacher scores the student's token ids, so it must share the "
+                         "student's tokenizer (a same-family model whose ids map exactly)")
 
 
 def vocabulary_problem(student: Any, teacher: Any) -> str | None:
