@@ -244,8 +244,9 @@ def test_an_aborted_episode_restarted_from_its_record_replays_its_calls_to_the_s
 def test_a_failing_agent_ends_only_its_episode_scored_zero_with_a_reason(word_model, chat_tokenizer, agents_file,
                                                                         kind, reason):
     async def main():
+        # the deadline is the pool's: long enough for the other episode on a busy machine, short for the hang
         async with agent_backend(word_model, chat_tokenizer, f"{agents_file}:fail", lockstep=False,
-                                 timeout_s=2.0) as (backend, _):
+                                 timeout_s=5.0 if kind == "hang" else 60.0) as (backend, _):
             result = await run_episodes(backend, [prompt(0, kind), prompt(1, "fine")])
             return result, backend.stats()
     result, stats = asyncio.run(main())
