@@ -38,6 +38,9 @@ async def run(client, row):
     if kind == "slow":
         await asyncio.sleep(0.6)
         return 1.0
+    if kind == "slower":
+        await asyncio.sleep(1.5)
+        return 2.0
 '''
 
 
@@ -95,21 +98,21 @@ def test_a_crashing_agent_ends_as_a_crash_and_a_new_worker_takes_the_next_episod
 
 
 def test_time_held_by_a_pause_does_not_count_against_the_deadline(agent_file):
-    pool = AgentPool(agent_file, timeout_s=0.8, max_workers=1)
+    pool = AgentPool(agent_file, timeout_s=1.0, max_workers=1)
 
     async def main():
         await pool.start()
         try:
-            episode = asyncio.ensure_future(pool.run("s0", {"kind": "slow", "task": ""}, "http://x/episodes/ep0/v1",
-                                                     "k"))
+            episode = asyncio.ensure_future(pool.run("s0", {"kind": "slower", "task": ""},
+                                                     "http://x/episodes/ep0/v1", "k"))
             await asyncio.sleep(0.05)
-            pool.hold({"s0"})
-            await asyncio.sleep(0.5)
+            pool.hold({"s0"})  # 1.5 s of work, 1 s allowed: the 2 s held move the deadline past it
+            await asyncio.sleep(2.0)
             pool.release()
             return await episode
         finally:
             await pool.aclose()
-    assert asyncio.run(main()).value == 1.0
+    assert asyncio.run(main()).value == 2.0
 
 
 def test_an_agent_that_cannot_load_fails_the_start_saying_why(tmp_path):
