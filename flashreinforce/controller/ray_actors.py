@@ -203,9 +203,17 @@ class TrainerActor:
 
         return copied_once(self.trainer.weights(), lambda tensor: tensor.detach().cpu())
 
-    def versioned_weights(self) -> tuple[int, dict[str, Any]]:
-        """(version, weights()): what a restarting engine loads, labeled here so the label cannot lag a step."""
-        return self.trainer.version, self.weights()
+    def push(self, base: bool) -> dict[str, Any]:
+        """What engines load at a push (Trainer.push_state: the weights, or with LoRA the adapter, with the base when
+        `base`), on the CPU and a tied weight once, as weights() gives them."""
+        from flashreinforce.rollout.weight_broadcast import copied_once
+
+        return copied_once(self.trainer.push_state(base), lambda tensor: tensor.detach().cpu())
+
+    def versioned_weights(self, base: bool = True) -> tuple[int, dict[str, Any]]:
+        """(version, push(base)): with the base, what a restarting engine loads (built from the starting policy, it
+        holds no base an adapter could be merged into), labeled here so the label cannot lag a step."""
+        return self.trainer.version, self.push(base)
 
     def open_weight_group(self) -> str:
         """Asked of rank 0: a fresh store for a new generation of the weight group (the last one is left); its
@@ -228,11 +236,11 @@ class TrainerActor:
             return False
         return True
 
-    def broadcast_weights(self) -> int | None:
-        """Rank 0: the current weights to every engine of the weight group; their version, or None when the send
-        failed (a peer gone mid-push: the group is left and the driver falls back). Sharded, the other ranks
-        call weights() at the same time: gathering the full weights is a collective."""
-        weights = self.trainer.weights()
+    def broadcast_weights(self, base: bool) -> int | None:
+        """Rank 0: the current push (push(base)) to every engine of the weight group; their version, or None when
+        the send failed (a peer gone mid-push: the group is left and the driver falls back). Sharded, the other
+        ranks call push(base) at the same time: gathering the full weights is a collective."""
+        weights = self.trainer.push_state(base)
         try:
             self.weight_group.send(weights, self.trainer.version)
         except Exception:  # noqa: BLE001 - as in join_weight_group

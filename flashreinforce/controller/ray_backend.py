@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 _POLL_S = 1.0  # how long an engine holds a poll open while nothing finishes
 _RECOVERY_TRIES = 3  # restarts in a row that may fail before an engine is given up (and the run with it)
 _FROM_TRAINER = object()
-"""In RayBackend._weights: the last push went by broadcast, so nothing in the object store holds it; an engine
-that restarts loads rank 0's versioned weights instead (RayTrainer.versioned_weights)."""
+"""In RayBackend._weights: the last push went by broadcast, so nothing in the object store holds it, or it carried
+a LoRA adapter alone; an engine that restarts loads rank 0's versioned weights instead (RayTrainer.versioned_weights,
+with the base)."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,9 @@ class RayBackend:
         self.timeout_s = settings.health_timeout_s
         self._weights: tuple[int, Any] = (version, None)
         """(version, ref of its weights) the engines must hold; None: those they were built with."""
+        self._base_pushed = False
+        """Every healthy engine got a push with the base (a LoRA trainer's later pushes carry the adapter alone;
+        an engine that restarts loads a push with the base, _load_current)."""
         self.push_seconds = 0.0
         """The last push's wall time, rank 0's read of its weights included."""
         self._broadcaster = (WeightBroadcaster(trainer, settings.weight_backend, settings.health_timeout_s)
@@ -433,13 +437,17 @@ class RayBackend:
             answers = await self._broadcaster.push(engines, self._ask)
             engines = self._take_versions(engines, answers, strict=False)
             if not engines:
+                self._base_pushed = True  # the group's first push carried the base (WeightBroadcaster.base_sent)
                 return version
             self.counts["weight_broadcast_fallbacks"] += 1
-        weights = self.trainer.weights_ref()
-        self._weights = (version, weights)
+        base = not self._base_pushed
+        weights = self.trainer.push_ref(base)
+        # An adapter alone is no use to an engine that restarts: it loads rank 0's push with the base instead.
+        self._weights = (version, weights if base or not self.settings.adapter_pushes else _FROM_TRAINER)
         answers = await asyncio.gather(*(self._ask(e, e.actor.load_weights.remote(weights, version), "load_weights")
                                          for e in engines), return_exceptions=True)
         self._take_versions(engines, answers, strict=True)
+        self._base_pushed = True
         return version
 
     def _take_versions(self, engines: list[_Engine], answers: list[Any], *, strict: bool) -> list[_Engine]:

@@ -44,6 +44,8 @@ class RaySettings:
     health_timeout_s: float
     step_timeout_s: float
     torch_threads: int
+    adapter_pushes: bool = False
+    """trainer.lora: pushes carry the adapter alone after a first one with the base (models/adapter_push.py)."""
 
     @property
     def engine_gpus(self) -> float:

@@ -64,19 +64,24 @@ class RayTrainer:
 
     def weights_ref(self) -> Any:
         """Rank 0's weights of `version`, as one object in the object store (every engine reads the same)."""
-        return self._weights_read("weights")
+        return self._weights_read("weights", "weights")
+
+    def push_ref(self, base: bool) -> Any:
+        """Rank 0's push of `version` (TrainerActor.push: with LoRA the adapter, with its base when `base`), as one
+        object in the object store."""
+        return self._weights_read("push", "push", base)
 
     async def versioned_weights(self) -> Any:
-        """A ref of rank 0's (version, weights), once rank 0 has answered (after a step or push it may be running):
-        what a restarting engine loads, its version from rank 0 itself, never a stale one from here."""
-        ref = self._weights_read("versioned_weights")
+        """A ref of rank 0's (version, push with the base), once rank 0 has answered (after a step or push it may be
+        running): what a restarting engine loads, its version from rank 0 itself, never a stale one from here."""
+        ref = self._weights_read("versioned_weights", "push", True)
         await asyncio.to_thread(ray.wait, [ref], timeout=self.step_timeout_s, fetch_local=False)
         return ref
 
-    def broadcast_ref(self) -> Any:
-        """Rank 0 sends its weights through the weight group (TrainerActor.broadcast_weights): a ref of the
+    def broadcast_ref(self, base: bool) -> Any:
+        """Rank 0 sends its push (push_ref's) through the weight group (TrainerActor.broadcast_weights): a ref of the
         version sent, or of None when the send failed."""
-        return self._weights_read("broadcast_weights")
+        return self._weights_read("broadcast_weights", "push", base)
 
     def open_weight_group(self) -> str:
         """A fresh store on rank 0's node for the next generation of the weight group: its address."""
@@ -87,13 +92,14 @@ class RayTrainer:
         self._check_running("join_weight_group")
         return self.ranks[0].join_weight_group.remote(spec)
 
-    def _weights_read(self, method: str) -> Any:
-        """Rank 0's `method` over its full weights. Sharded, every other rank takes part in gathering them (its
-        weights() answers {}, checked at the next call)."""
+    def _weights_read(self, method: str, peer_method: str, *args: Any) -> Any:
+        """Rank 0's `method` over its full weights. Sharded, every other rank takes part in gathering them by
+        `peer_method` (weights or push: the same collectives as rank 0's; it answers {}, checked at the next
+        call)."""
         self._check_running(method)
-        peers = [rank.weights.remote() for rank in self._readers()[1:]]
+        peers = [getattr(rank, peer_method).remote(*args) for rank in self._readers()[1:]]
         self._peer_reads.extend(peers)
-        return getattr(self.ranks[0], method).remote()
+        return getattr(self.ranks[0], method).remote(*args)
 
     def state_dict(self) -> dict[str, Any]:
         return self._gather("state_dict", [r.state_dict.remote() for r in self._readers()], self.step_timeout_s)[0]

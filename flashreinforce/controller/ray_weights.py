@@ -37,6 +37,9 @@ class WeightBroadcaster:
         """The engines of the current generation, in rank order (rank 0 is the trainer's); () when none."""
         self.failures = 0
         """Failed pushes in a row."""
+        self.base_sent = False
+        """The current generation got a push with the base (a LoRA trainer's later pushes carry the adapter
+        alone; a new generation may hold engines that have no base yet)."""
 
     @property
     def usable(self) -> bool:
@@ -54,19 +57,19 @@ class WeightBroadcaster:
             joins = await self._build(engines, ask)
             if tuple(engines) != self.members:
                 return self._failed(joins, "joining")
-        sent = self.trainer.broadcast_ref()
+        sent = self.trainer.broadcast_ref(not self.base_sent)
         # Twice the group's own timeout: a member that waits for a gone peer raises first and says so.
         answers = await asyncio.gather(*(ask(e, e.actor.receive_weights.remote(), "receive_weights",
                                              2 * self.timeout_s) for e in engines), return_exceptions=True)
         version = await self._rank_0(sent)
         if version is None or any(answer != version for answer in answers):
             return self._failed(answers, "the push")
-        self.failures = 0
+        self.failures, self.base_sent = 0, True
         return answers
 
     async def _build(self, engines: Sequence[Any], ask: Ask) -> list[Any]:
         """A new generation of `engines`; each one's answer to joining (None when it joined)."""
-        self.members, self.generation = (), self.generation + 1
+        self.members, self.generation, self.base_sent = (), self.generation + 1, False
         address = await asyncio.to_thread(self.trainer.open_weight_group)
         spec = WeightGroupSpec(address, self.generation, len(engines) + 1, self.backend, self.timeout_s)
         joined = self.trainer.join_weight_group_ref(spec)

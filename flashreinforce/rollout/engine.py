@@ -31,9 +31,11 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from flashreinforce.models.adapter_push import is_adapter_push, read_push
 from flashreinforce.models.families import attention_windows, engine_attention
 from flashreinforce.models.moe import RouteRecorder, route_shape, routing_problem
 from flashreinforce.models.numerics import Numerics, format_tensor, fp8_parameter_names
+from flashreinforce.rollout.adapters import PROBE_FLOOR, AdapterBase, ProbeResult, PushProbe
 from flashreinforce.rollout.kv_cache import SlotCache
 from flashreinforce.rollout.sampling import counter_uniforms, processed_logprobs, sample, stream_key
 from flashreinforce.types import FORCED_VERSION, FinishReason, Generation, Routes, SamplingParams
@@ -184,6 +186,7 @@ class Engine:
         prefill_threshold: int = 32,
         split_min_saving: int = 4096,
         numerics: Numerics | None = None,
+        probe_tolerance: float | None = PROBE_FLOOR,
     ):
         """`model` becomes the engine's own (set to eval mode, weights replaced by load_weights).
 
@@ -194,6 +197,8 @@ class Engine:
         max_context bounds prompt + generation. `seed` draws the stream keys of unseeded requests.
         `split_min_saving`: a decoding step runs as two forwards, long rows and short rows, when that spares
         attention at least this many row-positions of KV reads (see length_split).
+        `probe_tolerance`: how far the engine's probe log-probs may be from the trainer's after a LoRA adapter push
+        (rollout/adapters.py); None takes it from the base push's gap (bf16 or fp8 on either side).
         """
         config = model.config
         self._vocab_size = config.vocab_size
@@ -250,6 +255,8 @@ class Engine:
         self._row_tensors: tuple[torch.Tensor, ...] | None = None  # sampling settings of running rows
         self._key_rng = torch.Generator().manual_seed(seed)
         self._stats = EngineStats()
+        self._adapter_base = AdapterBase()
+        self.probe = PushProbe(probe_tolerance)
 
     # ----------------------------------------------------------------------------------------------
     # Public API
@@ -257,6 +264,11 @@ class Engine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def last_probe(self) -> ProbeResult | None:
+        """The last LoRA adapter push's probe (rollout/adapters.py); None before one."""
+        return self.probe.last
 
     @property
     def num_running(self) -> int:
@@ -371,14 +383,20 @@ class Engine:
 
         Running requests keep their KV cache (computed under older weights) and go on decoding, as
         in-flight weight updates do; pause() / resubmit instead to re-read prefixes under the new
-        weights. Names and shapes must match the model's state_dict exactly.
+        weights. Names and shapes must match the model's state_dict exactly. A LoRA adapter push
+        (models/adapter_push.py) is merged into the base this engine keeps (rollout/adapters.py), then checked
+        by its probe: WeightPushError when the engine's log-probs are not the trainer's.
         """
         own = self.model.state_dict()
-        missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
+        adapter = read_push(state_dict) if is_adapter_push(state_dict) else None
+        loads = state_dict if adapter is None else self._adapter_base.loads(adapter, own.keys(), self._device)
+        partial = adapter is not None and not adapter.base  # an adapter alone loads its layers' weights only
+        missing = [] if partial else sorted(own.keys() - loads.keys())
+        unexpected = sorted(loads.keys() - own.keys())
         wrong = [
-            f"{name}: {tuple(state_dict[name].shape)} vs model {tuple(own[name].shape)}"
-            for name in own.keys() & state_dict.keys()
-            if state_dict[name].shape != own[name].shape
+            f"{name}: {tuple(loads[name].shape)} vs model {tuple(own[name].shape)}"
+            for name in own.keys() & loads.keys()
+            if loads[name].shape != own[name].shape
         ]
         if missing or unexpected or wrong:
             raise ValueError(
@@ -388,7 +406,13 @@ class Engine:
             )
         if version < self._version:
             raise ValueError(f"load_weights: version {version} is older than the engine's version {self._version}")
-        self._copy_formatted(own, state_dict)
+        self._copy_formatted({name: own[name] for name in loads}, loads)
+        if adapter is None:
+            self._adapter_base.forget()
+        else:
+            self.probe.check(self.model, adapter)
+            if self._recorder is not None:
+                self._recorder.take()  # the probe's routes are nobody's
         if version != self._version:
             for r in self._running:
                 r.stale_context = r.stale_context or r.kv_len > 0

@@ -40,6 +40,16 @@ How the Engine's contract maps onto vLLM:
   route is a silent no-op off CUDA (docs/vllm.md); the probe turns a push that did not take into an error
   once the weights it missed move the probe by more than the tolerance (DEFAULT_PROBE_TOLERANCE). vLLM's
   native weight-transfer API (NCCL / IPC, for an engine in other processes or GPUs) is not implemented here.
+- LoRA adapter pushes (models/adapter_push.py), with `lora_rank` set: vLLM starts with LoRA enabled (one adapter
+  slot, the smallest rank it offers >= lora_rank). The base push reloads the base model's weights unmerged; every
+  push writes the adapter in peft's format into a directory of the engine's and loads it with vLLM's add_lora under
+  one id, in place (LoRARequest load_inplace), and every request carries that LoRARequest, so running requests decode
+  with the new adapter from the next step, as a full push's would. Requests sent before the base push are re-sent
+  with it (prompt and tokens so far as the prompt, as a resumed prefix). The reference copy merges each adapter
+  into its kept base (rollout/adapters.py); the probe then runs with the LoRARequest, so a push vLLM did not apply
+  fails it, and the reference itself is checked against the trainer's probe log-probs that came with the push.
+  Without lora_rank (a vision-language or MoE model, tested with full weights only) an adapter push is merged into
+  the reference and reloaded into vLLM whole.
 - Images (a vision-language model of VLLM_IMAGE_FAMILIES): a request's encoded images, decoded with PIL, are
   vLLM's `multi_modal_data`. vLLM's processor expands each image token of a prompt into the image's whole
   placeholder itself, so the adapter gives it each image's expanded placeholder (models/image_tokens.py)
@@ -54,12 +64,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import random
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -68,7 +80,15 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from flashreinforce.models.adapter_push import (
+    PROBE_LENGTH,
+    AdapterPush,
+    is_adapter_push,
+    probe_row,
+    read_push,
+)
 from flashreinforce.models.image_tokens import expand_image_placeholders
+from flashreinforce.rollout.adapters import AdapterBase, ProbeResult, PushProbe, WeightPushError
 from flashreinforce.rollout.engine import EngineStats
 from flashreinforce.types import FinishReason, Generation, SamplingParams
 
@@ -86,7 +106,6 @@ VLLM_ENVIRONMENT = {
 """vLLM's environment defaults here; a variable the user set wins."""
 
 PROBE_REQUEST = "flashreinforce-weight-probe"
-PROBE_LENGTH = 16
 DEFAULT_PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 """Largest |probe log-prob - our forward's| that passes, per vLLM dtype (measured, docs/vllm.md). fp32 kernels
 differ by <= 3.3e-7 on the tiny model and 6.7e-6 on a 30-layer model of SmolLM2-135M's shape: 1e-4 leaves 15x
@@ -96,15 +115,14 @@ drifts past 1e-4 by the third push. bf16 rounding alone reaches 4e-3 (tiny model
 depth: a bf16 probe only catches gross failures."""
 
 
-class WeightPushError(RuntimeError):
-    """The engine's log-probs after a push do not match the pushed weights."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM accepts (0.32's MaxLoRARanks)."""
+LORA_NAME, LORA_ID = "flashreinforce-policy", 1
 
 
-@dataclass(frozen=True)
-class ProbeResult:
-    error: float
-    """max |vLLM's probe log-probs - flashreinforce's forward of the same weights|."""
-    tolerance: float
+def vllm_lora_rank(rank: int) -> int | None:
+    """vLLM's max_lora_rank for adapters of this rank: the smallest it offers that holds them; None past its largest."""
+    return next((allowed for allowed in VLLM_LORA_RANKS if allowed >= rank), None)
 
 
 def import_vllm() -> Any:
@@ -259,16 +277,6 @@ def decode_images(images: Sequence[bytes]) -> list[Any]:
     return decoded
 
 
-def probe_row(vocab_size: int, banned: Collection[int]) -> tuple[int, ...]:
-    """The weight probe's fixed token row: never an image token, which would stand for an image it does not have."""
-    rng, row = random.Random(0), []
-    while len(row) < PROBE_LENGTH:
-        token = rng.randrange(vocab_size)
-        if token not in banned:
-            row.append(token)
-    return tuple(row)
-
-
 @dataclass(eq=False)
 class _Request:
     """A live request: what it sampled since it was submitted is appended to its prefix's arrays."""
@@ -350,10 +358,14 @@ class VllmEngine:
         dtype: str = "float32",
         probe_tolerance: float | None = None,
         gpu_memory_utilization: float = 0.5,
+        lora_rank: int | None = None,
     ):
         """vLLM loads `model_dir` (a Hugging Face directory; its tokenizer is read for a vision-language model
         only). `reference` is the same model as a CPU Hugging Face copy that the engine keeps: each push is loaded
-        into it too, and the probe compares vLLM against it. `dtype`: vLLM's compute dtype, float32 or bfloat16."""
+        into it too, and the probe compares vLLM against it. `dtype`: vLLM's compute dtype, float32 or bfloat16.
+        `lora_rank`: the rank of the LoRA adapters pushed to it, which vLLM then applies itself (its LoRA requests);
+        None, or a vision-language model or a rank past vLLM's largest: adapter pushes are merged here and loaded
+        whole."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
         if max_context <= PROBE_LENGTH:
@@ -381,25 +393,37 @@ class VllmEngine:
         """Finished outside step() (a prefix already at its budget, requests a probe step finished)."""
         self._stats = EngineStats()
         self._whole_prefills = vllm_device() == "cpu"
-        args = vllm.EngineArgs(
-            model=str(model_dir), skip_tokenizer_init=self._image_route is None, dtype=dtype, seed=seed,
-            max_model_len=max_context, max_num_seqs=max_batch_size, enforce_eager=True,
-            # A whole prompt and every other request's next token fit one step (see Whole prefills above); 4096
-            # is vLLM's own CPU default for its LLM class.
-            max_num_batched_tokens=max(4096, max_context + max_batch_size) if self._whole_prefills else None,
-            logprobs_mode="processed_logprobs", enable_prefix_caching=False, async_scheduling=False,
-            gpu_memory_utilization=gpu_memory_utilization,
-            mm_processor_kwargs=self._image_route.processor_kwargs if self._image_route is not None else None,
-            # No cache of processed images: it assumes every image it processed reached the engine, and the
-            # start-up image and a refused request's never do (a later request with that image then fails, "P0/P1
-            # cache drift"). What it would save is the image processor's run on a repeated image.
-            mm_processor_cache_gb=0)
+        slot_rank = vllm_lora_rank(lora_rank) if lora_rank and self._image_route is None else None
+        self._lora = _AdapterSlot(vllm) if slot_rank else None
+        self._adapter_base = AdapterBase()
+        self._reference_probe = PushProbe(None)
+        """The reference copy against the trainer's probe log-probs that come with an adapter push."""
+        args = vllm.EngineArgs(**self._engine_args(model_dir, dtype, seed, gpu_memory_utilization, slot_rank))
         with _kept_process_state():
             self._llm = vllm.LLMEngine.from_engine_args(args)
         self._step_tokens = self._llm.vllm_config.scheduler_config.max_num_batched_tokens
         if self._image_route is not None:
             self._load_image_processor()
         self.last_probe = self._verify_weights()
+
+    def _engine_args(self, model_dir: str | Path, dtype: str, seed: int, gpu_memory_utilization: float,
+                     lora_rank: int | None) -> dict[str, Any]:
+        """vllm.EngineArgs of this adapter (its docstring says why each)."""
+        route = self._image_route
+        return dict(
+            model=str(model_dir), skip_tokenizer_init=route is None, dtype=dtype, seed=seed,
+            max_model_len=self.max_context, max_num_seqs=self.max_batch_size, enforce_eager=True,
+            # A whole prompt and every other request's next token fit one step (see Whole prefills above); 4096
+            # is vLLM's own CPU default for its LLM class.
+            max_num_batched_tokens=max(4096, self.max_context + self.max_batch_size) if self._whole_prefills else None,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=False, async_scheduling=False,
+            gpu_memory_utilization=gpu_memory_utilization,
+            mm_processor_kwargs=route.processor_kwargs if route is not None else None,
+            # No cache of processed images: it assumes every image it processed reached the engine, and the
+            # start-up image and a refused request's never do (a later request with that image then fails, "P0/P1
+            # cache drift"). What it would save is the image processor's run on a repeated image.
+            mm_processor_cache_gb=0,
+            **({"enable_lora": True, "max_loras": 1, "max_lora_rank": lora_rank} if lora_rank else {}))
 
     # ----------------------------------------------------------------------------------------------
     # Public API (as Engine's)
@@ -508,16 +532,24 @@ class VllmEngine:
         """Load new weights into vLLM between two steps and check with the probe that they took; tokens sampled
         from now on carry `version`. Running requests keep their KV cache (see Engine.load_weights).
 
-        Raises WeightPushError, with the engine unusable, when vLLM's log-probs do not match the weights.
+        Raises WeightPushError, with the engine unusable, when vLLM's log-probs do not match the weights. A LoRA
+        adapter push (models/adapter_push.py) goes to vLLM's LoRA slot (see the module's docstring).
         """
-        own = self._reference.state_dict()
-        check_state_dict(own, state_dict)
         if version < self._version:
             raise ValueError(f"load_weights: version {version} is older than the engine's version {self._version}")
-        with torch.no_grad():
-            for name, tensor in own.items():
-                tensor.copy_(state_dict[name])
-        self._load_into_vllm(state_dict)
+        if is_adapter_push(state_dict):
+            self._load_adapter_push(read_push(state_dict))
+        else:
+            own = self._reference.state_dict()
+            check_state_dict(own, state_dict)
+            with torch.no_grad():
+                for name, tensor in own.items():
+                    tensor.copy_(state_dict[name])
+            self._adapter_base.forget()
+            self._load_into_vllm(state_dict)
+            if self._lora is not None and self._lora.request is not None:  # merged weights: no adapter on top
+                self._lora.drop(self._llm)
+                self._resend_live()
         if version != self._version:
             for request in self._live.values():
                 request.stale_context = request.stale_context or request.stepped
@@ -526,6 +558,40 @@ class VllmEngine:
 
     # ----------------------------------------------------------------------------------------------
     # Weights
+
+    def _load_adapter_push(self, push: AdapterPush) -> None:
+        """The reference merges the adapter into its kept base (checked against the trainer's probe); vLLM reloads
+        the base if the push carries one and loads the adapter into its slot, or without a slot the merged weights."""
+        own = self._reference.state_dict()
+        loads = self._adapter_base.loads(push, own.keys(), torch.device("cpu"))
+        with torch.no_grad():
+            for name, tensor in loads.items():
+                own[name].copy_(tensor)
+        self._reference_probe.check(self._reference, push)
+        if self._lora is None:
+            self._load_into_vllm(own)
+            return
+        if push.base:
+            self._load_into_vllm(push.base)
+        self._lora.load(self._llm, push)
+        if push.base:
+            self._resend_live()  # sent before the adapter existed (or with merged weights): now with it
+
+    def _resend_live(self) -> None:
+        """Take back every request vLLM holds and send it again, its prompt and tokens so far as the prompt (a
+        resumed prefix): it then carries the current LoRARequest, or none."""
+        sent = [r for r in self._live.values() if r.sent]
+        if sent:
+            self._llm.abort_request([r.request_id for r in sent])
+        for r in sent:
+            r.vllm_prompt, r.prefilled = self._vllm_prompt(r), False
+            if not self._whole_prefills:
+                self._send(r)
+
+    @property
+    def _lora_kwargs(self) -> dict[str, Any]:
+        """add_request's LoRA argument: the current adapter's request, once there is one."""
+        return {"lora_request": self._lora.request} if self._lora is not None and self._lora.request else {}
 
     def _load_into_vllm(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         # collective_rpc runs on the in-process worker: the tensors are read in place, never serialized.
@@ -558,7 +624,8 @@ class VllmEngine:
         """Steps vLLM until the probe is read; running requests advance too and what they finish is kept."""
         params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
                                            output_kind=self._output_kind.FINAL_ONLY)
-        self._llm.add_request(PROBE_REQUEST, self._vllm.TokensPrompt(prompt_token_ids=list(self._probe)), params)
+        self._llm.add_request(PROBE_REQUEST, self._vllm.TokensPrompt(prompt_token_ids=list(self._probe)), params,
+                              **self._lora_kwargs)
         _align_openmp_threads()
         while True:
             outputs = self._llm.step()
@@ -572,7 +639,7 @@ class VllmEngine:
     # Requests
 
     def _send(self, r: _Request) -> None:
-        self._llm.add_request(r.request_id, r.vllm_prompt, self._vllm_params(r))
+        self._llm.add_request(r.request_id, r.vllm_prompt, self._vllm_params(r), **self._lora_kwargs)
         r.vllm_prompt = None
 
     def _admit(self) -> None:
@@ -728,6 +795,42 @@ class VllmEngine:
                           behavior_logprobs=tuple(r.logprobs), policy_versions=tuple(r.versions),
                           loss_mask=tuple(r.loss_mask), finish_reason=reason, params=r.params, sampler_state=r.seed,
                           stale_context=r.stale_context, images=r.images)
+
+
+class _AdapterSlot:
+    """vLLM's one LoRA adapter slot: a directory each adapter push is written to in peft's format, loaded in place
+    under one id, and the LoRARequest every generation then carries."""
+
+    def __init__(self, vllm: Any) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self._request_class = LoRARequest
+        self._dir = tempfile.TemporaryDirectory(prefix="flashreinforce-lora-")
+        self.request: Any = None
+
+    def load(self, llm: Any, push: AdapterPush) -> None:
+        from safetensors.torch import save_file
+
+        scales = {float(layer.scale) for layer in push.layers.values()}
+        if len(scales) != 1:
+            raise ValueError(f"adapter push: its layers' scales differ ({sorted(scales)}); vLLM takes one alpha / r")
+        rank = {layer.a.shape[0] for layer in push.layers.values()}.pop()
+        directory = Path(self._dir.name)
+        tensors = {f"base_model.model.{name}.lora_{side}.weight": getattr(layer, side.lower())
+                   for name, layer in push.layers.items() for side in "AB"}
+        save_file({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()},
+                  directory / "adapter_model.safetensors")
+        (directory / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scales.pop() * rank,
+            "target_modules": sorted({name.rpartition(".")[2] for name in push.layers}), "bias": "none",
+            "use_rslora": False, "lora_dropout": 0.0}))
+        if not llm.add_lora(self._request_class(LORA_NAME, LORA_ID, str(directory), load_inplace=True)):
+            raise WeightPushError(f"vLLM did not load the adapter from {directory} (add_lora answered False)")
+        self.request = self._request_class(LORA_NAME, LORA_ID, str(directory))
+
+    def drop(self, llm: Any) -> None:
+        llm.remove_lora(LORA_ID)
+        self.request = None
 
 
 def finish_reason(request_id: str, vllm_reason: str | None) -> FinishReason:

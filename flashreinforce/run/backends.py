@@ -99,7 +99,8 @@ def ray_settings(config: RunConfig) -> RaySettings:
                        env_workers=max((max(t.env.min_workers, t.env.max_workers) for _, t in config.task_list()
                                         if t.env.multi_turn), default=0),
                        verifier_timeout_s=verifier.timeout_s, health_timeout_s=backend.health_timeout_s,
-                       step_timeout_s=backend.step_timeout_s, torch_threads=backend.torch_threads)
+                       step_timeout_s=backend.step_timeout_s, torch_threads=backend.torch_threads,
+                       adapter_pushes=trainer.lora is not None and trainer.lora.push == "adapter")
 
 
 def build_ray_trainer(config: RunConfig, policy: Policy, group: RankGroup | None) -> Trainer:

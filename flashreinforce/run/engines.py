@@ -16,6 +16,7 @@ from flashreinforce.config import RunConfig
 from flashreinforce.envs.hints import longest_hinted_prompt
 from flashreinforce.envs.single_turn import TextEpisodes
 from flashreinforce.models.moe import route_shape
+from flashreinforce.rollout.adapters import PROBE_FLOOR
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.rollout.vllm_engine import (
     SETUP_HINT,
@@ -83,7 +84,14 @@ def build_local_engine(config: RunConfig, policy: Policy, shape: EngineShape) ->
     return Engine(model, max_batch_size=config.rollout.max_batch_size,
                   max_context=shape.context, eos_token_ids=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, version=shape.version, seed=shape.seed,
-                  numerics=side_numerics(config, "rollout"))
+                  numerics=side_numerics(config, "rollout"), probe_tolerance=adapter_probe_tolerance(config))
+
+
+def adapter_probe_tolerance(config: RunConfig) -> float | None:
+    """The local engine's tolerance for a LoRA push's probe (rollout/adapters.py): fixed when both sides compute
+    fp32, where the gap is float rounding; None (from the base push's gap) when either rounds its weights."""
+    precision = config.precision
+    return PROBE_FLOOR if precision.rollout == precision.trainer == "fp32" else None
 
 
 def build_vllm_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> VllmEngine:
@@ -121,7 +129,18 @@ def build_vllm_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> 
                           max_context=shape.context, eos_token_ids=tokenizer.eos_token_id, tokenizer=tokenizer,
                           version=shape.version, seed=shape.seed, dtype=dtype,
                           probe_tolerance=options.probe_tolerance,
-                          gpu_memory_utilization=options.gpu_memory_utilization)
+                          gpu_memory_utilization=options.gpu_memory_utilization,
+                          lora_rank=vllm_lora(config, policy))
+
+
+def vllm_lora(config: RunConfig, policy: Policy) -> int | None:
+    """The LoRA rank vLLM applies pushed adapters with (its LoRA requests); None, so that adapter pushes are merged
+    and loaded whole: no trainer.lora or trainer.lora.push=merged, or an MoE model (vLLM's LoRA beside fused experts is
+    untested here)."""
+    lora = config.trainer.lora
+    if lora is None or lora.push == "merged" or route_shape(policy.model) is not None:
+        return None
+    return config.trainer.lora.r
 
 
 def vllm_dtype(config: RunConfig) -> str:

@@ -141,18 +141,17 @@ def lora_settings(config: RunConfig) -> LoraSettings | None:
         return None
     targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
     return LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets,
-                        rslora=lora.rslora, seed=config.seed)
+                        rslora=lora.rslora, seed=config.seed, push=lora.push)
 
 
 def start_trainer(config: RunConfig, policy: Policy) -> Trainer | TrainerProcess | TrainerGroup:
     """The run's trainer: data-parallel ranks in processes when trainer.world_size > 1; else in a process of its
     own when backend.trainer_process is set (overlapped loop only); else inline."""
-    template, threads = policy.model.state_dict(), config.backend.torch_threads
+    threads = config.backend.torch_threads
     if config.trainer.world_size > 1:
         return TrainerGroup(build_rank_trainer, (config, policy.model, policy.tokenizer),
-                            world_size=config.trainer.world_size, backend=rank_backend(config), template=template,
-                            threads=threads, sharded=config.trainer.sharding == "fsdp")
+                            world_size=config.trainer.world_size, backend=rank_backend(config), threads=threads,
+                            sharded=config.trainer.sharding == "fsdp")
     if config.deterministic or not config.backend.trainer_process:
         return build_trainer(config, policy.model, policy.tokenizer)
-    return TrainerProcess(build_trainer, (config, policy.model, policy.tokenizer), template=template,
-                          threads=threads)
+    return TrainerProcess(build_trainer, (config, policy.model, policy.tokenizer), threads=threads)

@@ -37,7 +37,7 @@ class TrainerGroup:
     """`world_size` ranks, each `factory(*args, RankGroup(rank, ...))` in a process of its own."""
 
     def __init__(self, factory: Callable[..., Trainer], args: tuple, *, world_size: int, backend: str,
-                 template: Mapping[str, torch.Tensor], threads: int, sharded: bool = False) -> None:
+                 threads: int, sharded: bool = False) -> None:
         """`sharded`: the ranks' trainers are FSDP-sharded (trainer/sharding.py), so reading their optimizer
         state or saving the model is a collective that every rank joins (rank 0 still answers)."""
         self.sharded = sharded
@@ -49,7 +49,7 @@ class TrainerGroup:
         # Only rank 0's weights are read (every rank holds the same): the others publish none.
         starts = [self._pool.submit(TrainerProcess, factory, (*args, RankGroup(rank, world_size, init_method,
                                                                                  backend, launcher_store=True)),
-                                    template=template if rank == 0 else None, threads=threads)
+                                    publishes=rank == 0, threads=threads)
                   for rank in range(world_size)]
         first = wait(starts, return_when=FIRST_EXCEPTION)
         if first.not_done:
@@ -81,6 +81,9 @@ class TrainerGroup:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.ranks[0].weights()
+
+    def push_state(self, base: bool = True) -> dict[str, torch.Tensor]:
+        return self.ranks[0].push_state(base)
 
     def state_dict(self) -> dict[str, Any]:
         if self.sharded:

@@ -1,10 +1,12 @@
-"""LoRA adapters (peft) on the trainer's model: only the adapters train, every push sends merged weights.
+"""LoRA adapters (peft) on the trainer's model: only the adapters train; pushes send the adapter alone.
 
-The rollout engine holds a plain copy of the base model and loads whole state dicts with its names and
-shapes (rollout/engine.py load_weights; trainer/process.py lays the same names out in shared memory). So
-`merged_state()` gives, for each adapted linear layer, W + scale * B @ A (peft's `get_delta_weight`) under the
-base model's name, and every other tensor as it is. It is computed afresh at each push into new tensors:
-peft's own merge writes the delta into W in place, and `merge_and_unload` ends training on the adapter.
+The rollout engine holds a plain copy of the model under the base model's names. A push is an adapter push
+(models/adapter_push.py, `push_state`): each adapted layer's A, B and scale, and, the first time an engine is pushed
+to, every tensor of the base model with the adapted layers unmerged; the engine merges W + scale * B @ A itself
+(rollout/adapters.py), so the base travels once. `merged_state()` gives the same merge here, for each adapted
+linear layer under the base model's name and every other tensor as it is: what a save writes (and an engine that
+loads only full weights is given). It is computed afresh into new tensors: peft's own merge writes the delta into W
+in place, and `merge_and_unload` ends training on the adapter.
 
 Numerics: the frozen base takes the trainer's format once, as a full fine-tune's weights do through
 MasterWeights (bf16-rounded or fp8-quantized, in the compute dtype). The adapters stay fp32 (peft's
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from flashreinforce.models.adapter_push import AdapterLayer, merge_weight
 from flashreinforce.models.numerics import Numerics, format_tensor, fp8_parameter_names
 
 ALL_LINEAR = "all-linear"
@@ -58,6 +61,8 @@ class LoraSettings:
     rslora: bool = False
     seed: int = 0
     """The adapters' random init draws from its own generator seeded with this, not from the run's stream."""
+    push: str = "adapter"
+    """What Trainer.push_state gives the engines: "adapter" (models/adapter_push.py) or "merged" (the full model)."""
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -66,6 +71,8 @@ class LoraSettings:
             raise ValueError(f"trainer.lora.alpha={self.alpha}: must be > 0 (the update is alpha / r * B @ A)")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"trainer.lora.dropout={self.dropout}: must be in [0, 1)")
+        if self.push not in ("adapter", "merged"):
+            raise ValueError(f"trainer.lora.push={self.push!r}: must be adapter or merged")
         if isinstance(self.target_modules, str):
             if self.target_modules != ALL_LINEAR:
                 raise ValueError(f"trainer.lora.target_modules={self.target_modules!r}: give a list of module "
@@ -241,29 +248,42 @@ class LoraAdapter:
     @torch.no_grad()
     def merged_state(self, live: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The full model's state dict under the base names: adapted weights merged into new tensors (in the
-        base weight's dtype, so the dtypes are a full fine-tune's), every other tensor the live one. `live` is
-        the base model's state dict (its own by default; a sharded trainer's gathered in full)."""
+        base weight's dtype, so the dtypes are a full fine-tune's; models/adapter_push.py merge_weight, as an
+        engine merges an adapter push), every other tensor the live one. `live` is the base model's state dict
+        (its own by default; a sharded trainer's gathered in full)."""
         live = self.base.state_dict() if live is None else live
+        state = self._base_state(live)
+        for module in self._layers:
+            state[f"{module}.weight"] = merge_weight(state[f"{module}.weight"], self._adapter_layer(module, live))
+        return state
+
+    @torch.no_grad()
+    def push_state(self, live: Mapping[str, torch.Tensor] | None = None, *, base: bool) -> dict[str, torch.Tensor]:
+        """An adapter push (models/adapter_push.py): each adapted layer's A, B and scale under its base name, and with
+        `base` every tensor of the base model, adapted layers unmerged. The live tensors, not copies (from `live` as
+        in merged_state)."""
+        live = self.base.state_dict() if live is None else live
+        state = self._base_state(live) if base else {}
+        for module in self._layers:
+            adapter = self._adapter_layer(module, live)
+            state.update({f"{module}.lora_A": adapter.a, f"{module}.lora_B": adapter.b,
+                          f"{module}.lora_scale": adapter.scale})
+        return state
+
+    def _base_state(self, live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The base model's state dict under its own names (an adapted layer's weight and bias are its base
+        layer's), from the wrapped model's live tensors."""
         state = {}
         for name in self._names:
             module, _, leaf = name.rpartition(".")
-            layer = self._layers.get(module)
-            if layer is None:
-                state[name] = live[name]
-            elif leaf == "weight":
-                weight = live[f"{module}.base_layer.weight"]
-                state[name] = (weight.float() + self._delta(module, live)).to(weight.dtype)
-            else:
-                state[name] = live[f"{module}.base_layer.{leaf}"]
+            state[name] = live[name] if module not in self._layers else live[f"{module}.base_layer.{leaf}"]
         return state
 
-    def _delta(self, module: str, live: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """peft's get_delta_weight of a Linear layer, scale * B @ A in fp32, from the given tensors (not the
-        layer's own: a sharded layer holds only its shard of them)."""
-        layer = self._layers[module]
-        a, b = (live[f"{module}.lora_{side}.{_ADAPTER}.weight"].float() for side in "AB")
-        delta = (b @ a) * layer.scaling[_ADAPTER]
-        return delta.T if layer.fan_in_fan_out else delta
+    def _adapter_layer(self, module: str, live: Mapping[str, torch.Tensor]) -> AdapterLayer:
+        """A layer's A, B and scale from the given tensors (not the layer's own: a sharded layer holds only its
+        shard of them). Adapted layers are nn.Linear (resolve_targets), whose weight is (out, in) as B @ A is."""
+        a, b = (live[f"{module}.lora_{side}.{_ADAPTER}.weight"] for side in "AB")
+        return AdapterLayer(a, b, torch.tensor(self._layers[module].scaling[_ADAPTER], dtype=torch.float32))
 
     def save(self, directory: Path, live: Mapping[str, torch.Tensor] | None = None) -> None:
         """The merged model in Hugging Face format into `directory`, the adapter alone into `directory/adapter`

@@ -12,9 +12,12 @@ engine's threads. It dies with its parent (a killed run leaves no trainer comput
 Messages are plain pickles over a socket pair, so tensors in them travel by value: the model once at the
 start, optimizer state at a checkpoint.
 
-Weights: the parent lays the model's state dict out in one shared file (in /dev/shm when it has room) that
-both processes map. The child copies its weights there after every step and load, so between calls
-`weights()` holds the weights of `version` and the engine loads them from there without pickling.
+Weights: the child's push (Trainer.push_state: the model's weights; with LoRA the adapter push, base included) is
+laid out in one shared file (in /dev/shm when it has room) that both processes map: the child reports the layout
+once it has built its trainer, the parent makes and maps the file. The child copies its push there after every
+step (with LoRA the adapter alone: the frozen base only at the start and after a load), so between calls
+`push_state()` and `weights()` hold the weights of `version` and the engine loads them from there without
+pickling.
 
 Errors: an exception in the child comes back as the same exception type with the child's traceback
 attached as a note; a child that dies (out of memory, killed) makes the call raise TrainerProcessError
@@ -32,7 +35,7 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from flashreinforce.lifetime import die_with_parent, start_child
+from flashreinforce.models.adapter_push import adapter_only, is_adapter_push, merged_state
 from flashreinforce.trainer.trainer import Trainer
 from flashreinforce.types import Trajectory
 
@@ -100,14 +104,16 @@ def _recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def _publish(trainer: Trainer, weights: Mapping[str, torch.Tensor] | None) -> None:
+def _publish(trainer: Trainer, weights: Mapping[str, torch.Tensor] | None, base: bool) -> None:
+    """The trainer's push into the shared layout; `base`: with LoRA, the frozen base too (it changes only at a
+    load)."""
     if weights is None and not trainer.sharded:  # nobody reads this rank's weights (a data-parallel rank but 0)
         return
-    full = trainer.weights()  # a sharded trainer's is a collective: every rank takes part, rank 0 gets them
+    state = trainer.push_state(base)  # a sharded trainer's is a collective: every rank takes part, rank 0 gets it
     if weights is None:
         return
     with torch.no_grad():
-        for name, tensor in full.items():
+        for name, tensor in state.items():
             weights[name].copy_(tensor)
 
 
@@ -121,20 +127,39 @@ def _error_reply(error: BaseException) -> tuple[str, BaseException, str]:
     return "error", error, text
 
 
+def _share(conn: Connection, trainer: Trainer, publishes: bool) -> tuple[dict[str, torch.Tensor] | None, bool]:
+    """The child's half of laying out the shared weights: its push's layout to the parent (the answer to "start"),
+    which makes the file and sends its path ("publish"); the push copied in. (None when this rank publishes nothing,
+    whether the parent closes this child instead)."""
+    state = trainer.push_state(True)  # a sharded trainer's is a collective: every rank takes part
+    slots, nbytes = _layout(state)
+    # plain tuples: this module is the child's __main__, whose classes the parent cannot unpickle
+    _send(conn, ("ok", (([astuple(slot) for slot in slots], nbytes) if publishes else None, trainer.version)))
+    command, path = _recv(conn)
+    if command == "close" or path is None:  # the parent could not make the file, or publishes nothing
+        return None, command == "close"
+    weights = _map(path, slots, nbytes)
+    with torch.no_grad():
+        for name, tensor in state.items():
+            weights[name].copy_(tensor)
+    return weights, False
+
+
 def _serve(conn: Connection) -> None:
     """The child: build the trainer, then answer requests until "close" or the parent goes away."""
     try:
-        sys_path, threads, path, slots, nbytes = _recv(conn)
+        sys_path, threads, publishes = _recv(conn)
         sys.path[:] = sys_path  # before the next message: its factory resolves by name as in the parent
         torch.set_num_threads(threads)
         factory, args = _recv(conn)
-        weights = _map(path, slots, nbytes) if path is not None else None
         trainer = factory(*args)
-        _publish(trainer, weights)
+        weights, closing = _share(conn, trainer, publishes)
     except Exception as error:  # noqa: BLE001 - reported to the parent, which raises it
         _send(conn, _error_reply(error))
         return
-    _send(conn, ("ok", (None, trainer.version)))
+    _send(conn, ("ok", (None, trainer.version)))  # the answer to "publish" (or to "close")
+    if closing:
+        return
     handlers: dict[str, Callable[[Any], Any]] = {
         "step": trainer.step,
         "state_dict": lambda _: trainer.state_dict(),
@@ -152,7 +177,7 @@ def _serve(conn: Connection) -> None:
         try:
             value = handlers[command](payload)
             if command in ("step", "load_state_dict"):
-                _publish(trainer, weights)
+                _publish(trainer, weights, base=command == "load_state_dict")
         except Exception as error:  # noqa: BLE001 - reported to the parent, which raises it
             _send(conn, _error_reply(error))
             continue
@@ -163,31 +188,31 @@ class TrainerProcess:
     """A Trainer built by `factory(*args)` in a child process; call `close()` when done.
 
     `factory` must be importable by name (a module-level function) and `args` picklable (the model goes by
-    value). `template` is the model's state dict: the names, shapes and dtypes of the weights the child
-    publishes. One request runs at a time; `version` is the trainer's as of the last answer. The child is
+    value). One request runs at a time; `version` is the trainer's as of the last answer. The child is
     killed when the thread that built this object exits (lifetime.die_with_parent): build it in the thread
     that runs the loop.
     """
 
-    def __init__(self, factory: Callable[..., Trainer], args: tuple, *, template: Mapping[str, torch.Tensor] | None,
-                 threads: int) -> None:
-        """template None: the child publishes no weights (a data-parallel rank whose peer rank 0 does)."""
-        slots, nbytes = _layout(template or {})
-        path = None
-        if template is not None:
-            handle, path = tempfile.mkstemp(prefix="flashreinforce-weights-", dir=_weights_dir(nbytes))
-            os.close(handle)
+    def __init__(self, factory: Callable[..., Trainer], args: tuple, *, publishes: bool = True, threads: int) -> None:
+        """publishes False: the child publishes no weights (a data-parallel rank whose peer rank 0 does)."""
         self._lock = threading.Lock()
         self.version = 0
+        self._weights: dict[str, torch.Tensor] | None = None
+        path = None
         try:
-            self._weights = _map(path, slots, nbytes) if path is not None else None
             self._proc, self._conn = start_child("flashreinforce.trainer.process")
             try:
-                _send(self._conn, (list(sys.path), threads, path, slots, nbytes))
+                _send(self._conn, (list(sys.path), threads, publishes))
                 _send(self._conn, (factory, args))
             except OSError as error:  # it died at once
                 raise self._gone("start") from error
-            self._receive("start")
+            layout = self._receive("start")
+            if layout is not None:
+                slots, nbytes = [_Slot(*slot) for slot in layout[0]], layout[1]
+                handle, path = tempfile.mkstemp(prefix="flashreinforce-weights-", dir=_weights_dir(nbytes))
+                os.close(handle)
+                self._weights = _map(path, slots, nbytes)
+            self._call("publish", path)
         except BaseException:
             if hasattr(self, "_proc"):
                 self.close()
@@ -199,10 +224,19 @@ class TrainerProcess:
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         return self._call("step", list(trajectories))
 
+    def push_state(self, base: bool = True) -> dict[str, torch.Tensor]:
+        """Trainer.push_state of `version` (shared memory: read it only while no step runs)."""
+        weights = self._published()
+        return weights if base or not is_adapter_push(weights) else adapter_only(weights)
+
     def weights(self) -> dict[str, torch.Tensor]:
-        """The weights of `version` (shared memory: read them only while no step runs)."""
+        """The weights of `version`, with LoRA merged here from the published push (shared memory: read them only
+        while no step runs)."""
+        return merged_state(self._published())
+
+    def _published(self) -> dict[str, torch.Tensor]:
         if self._weights is None:
-            raise RuntimeError("this trainer process was started with template=None and publishes no weights; "
+            raise RuntimeError("this trainer process was started with publishes=False and publishes no weights; "
                                "read them from the rank that does (rank 0 of a data-parallel group)")
         return self._weights
 

@@ -22,6 +22,7 @@ from flashreinforce.algorithms import LOSSES, GlobalNorm, LossInputs
 from flashreinforce.algorithms.dapo import overlong_penalty
 from flashreinforce.algorithms.advantages import single_row_tasks, within_tasks
 from flashreinforce.algorithms.wpsm import QuerySuccess, mean_token_entropy, wpsm_flags, wpsm_weights
+from flashreinforce.models.adapter_push import PROBE_IDS, PROBE_LOGPROBS, probe_logprobs, probe_row
 from flashreinforce.models.causal_lm import disable_dropout
 from flashreinforce.models.logprobs import first_marked, first_marked_rows, packed_token_logprobs, token_logprobs
 from flashreinforce.models.moe import RouteRecorder, RouteReplay, route_shape, set_mismatch
@@ -470,6 +471,35 @@ class Trainer:
         if self.lora is not None:
             return self.lora.merged_state()
         return self.model.state_dict()
+
+    def push_state(self, base: bool = True) -> dict[str, torch.Tensor]:
+        """What an engine loads at a push: weights() for a full fine-tune; with LoRA an adapter push
+        (models/adapter_push.py: each adapted layer's A, B and scale, every base tensor when `base`, for an engine's
+        first push) with this trainer's log-probs of the probe row, which the engine checks its own against. Live
+        tensors, not copies. Sharded: a collective (the probe's forward too), the push on rank 0 and {} on the
+        other ranks."""
+        if self.lora is None or self.lora.settings.push == "merged":
+            return self.weights()
+        if self.sharded:
+            full = full_weights(self.lora.base)
+            push = self.lora.push_state(full, base=base) if full else {}
+        else:
+            push = self.lora.push_state(base=base)
+        probe = self._probe()
+        return {**push, **probe} if push else {}
+
+    def _probe(self) -> dict[str, torch.Tensor]:
+        """The probe row and this model's log-probs of it (eval mode: no adapter dropout)."""
+        base = self.lora.base
+        ids = torch.tensor(probe_row(base.get_input_embeddings().num_embeddings,
+                                     frozenset(getattr(base, "banned_token_ids", ()))))
+        training = self.model.training
+        self.model.eval()
+        try:
+            logprobs = probe_logprobs(self.model, ids)
+        finally:
+            self.model.train(training)
+        return {PROBE_IDS: ids, PROBE_LOGPROBS: logprobs}
 
     def save_model(self, directory: Path) -> None:
         """The model in Hugging Face format (safetensors); with LoRA the merged model, and the adapter alone

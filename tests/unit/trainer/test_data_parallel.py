@@ -98,7 +98,7 @@ def group(tmp_path, world_size: int = 2, sharding: str = "replicate", precision:
     net = net or model()
     factory = functools.partial(rank_trainer, lora=lora, minibatches=minibatches, pack=pack)
     return TrainerGroup(factory, (net, str(tmp_path), sharding, precision), world_size=world_size,
-                        backend="gloo", template=net.state_dict(), threads=1, sharded=sharding == "fsdp")
+                        backend="gloo", threads=1, sharded=sharding == "fsdp")
 
 
 def one_process_step(tmp_path, net: torch.nn.Module, rows: list[Trajectory], **options) -> tuple[Trainer, dict, list]:
@@ -227,7 +227,7 @@ def test_a_rank_that_fails_to_start_fails_the_group_at_once_naming_it(tmp_path, 
     started = time.monotonic()
     with pytest.raises(TrainerRankError, match=r"rank 1 \(first\): ValueError: rank 1 cannot build its trainer"):
         TrainerGroup(failing_rank_trainer, (model(), str(tmp_path), "replicate", "fp32"), world_size=2, backend="gloo",
-                     template=model().state_dict(), threads=1)
+                     threads=1)
     assert time.monotonic() - started < 120
 
 

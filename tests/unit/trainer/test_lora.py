@@ -15,12 +15,13 @@ from transformers import AutoModelForCausalLM
 from flashreinforce.config import load_config
 from flashreinforce.envs.single_turn import to_trajectory
 from flashreinforce.models import build_model, token_logprobs
+from flashreinforce.models.adapter_push import merged_state
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.run.learner import lora_settings
 from flashreinforce.trainer.checkpoint import load_states, save_checkpoint
 from flashreinforce.trainer.lora import LoraSettings
-from flashreinforce.trainer.process import _layout, _map, _publish
+from flashreinforce.trainer.process import TrainerProcess, _layout, _map, _publish
 from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
 from flashreinforce.types import (
     FORCED_VERSION,
@@ -220,18 +221,38 @@ def test_save_model_writes_a_merged_model_transformers_loads_and_the_adapter_alo
 
 
 @pytest.mark.lora
-def test_merged_weights_fill_the_trainer_processs_shared_layout(tmp_path):
-    """A TrainerProcess child publishes weights() into a layout made from the base model's state dict."""
-    base = tiny()
-    template = base.state_dict()
-    slots, nbytes = _layout(template)
+def test_the_adapter_push_fills_the_trainer_processs_shared_layout(tmp_path):
+    """A TrainerProcess child publishes push_state() into a layout made from its base push: the base once, then the
+    adapter alone after each step; the merged weights read from there are the trainer's own."""
+    trainer = trained(tiny(), steps=1)
+    slots, nbytes = _layout(trainer.push_state(base=True))
     (tmp_path / "weights").write_bytes(b"")
     shared = _map(str(tmp_path / "weights"), slots, nbytes)
-    trainer = trained(base, steps=2)
-    _publish(trainer, shared)
-    own = trainer.weights()
+    _publish(trainer, shared, base=True)
+    trainer.step(batch(5))
+    _publish(trainer, shared, base=False)  # the adapter and the probe; the frozen base stays as published
+    own = trainer.push_state(base=True)
     assert list(shared) == list(own)
     assert all(torch.equal(shared[k], own[k]) for k in own)
+    merged = trainer.weights()
+    assert all(torch.equal(a, merged[k]) for k, a in merged_state(shared).items())
+
+
+@pytest.mark.lora
+@pytest.mark.slow  # a trainer process of its own
+def test_a_trainer_process_publishes_the_base_once_and_then_the_adapter(one_thread):
+    inline, remote = lora_trainer(tiny()), TrainerProcess(lora_trainer, (tiny(),), threads=1)
+    try:
+        for step in range(2):
+            inline.step(batch(step))
+            remote.step(batch(step))
+        adapter = remote.push_state(base=False)
+        assert set(adapter) == set(inline.push_state(base=False)) and not set(adapter) & set(inline.weights())
+        assert set(inline.weights()) < set(remote.push_state(base=True))
+        for name, tensor in inline.weights().items():  # merged in the parent from the published push
+            torch.testing.assert_close(remote.weights()[name], tensor, rtol=0, atol=1e-6)
+    finally:
+        remote.close()
 
 
 @pytest.mark.lora
@@ -324,7 +345,7 @@ def test_the_config_validates_lora_and_names_the_field():
 
 @pytest.mark.lora
 @pytest.mark.slow
-def test_the_benchmark_quick_run_reports_both_configurations(tmp_path):
+def test_the_benchmark_quick_run_reports_both_configurations_and_both_pushes(tmp_path):
     out = tmp_path / "lora.json"
     subprocess.run([sys.executable, str(BENCHMARK), "--quick", "--json", str(out)], check=True, timeout=300)
     report = json.loads(out.read_text())
@@ -332,6 +353,13 @@ def test_the_benchmark_quick_run_reports_both_configurations(tmp_path):
     assert set(rows) == {"full", "lora"}
     assert rows["lora"]["trainable_params"] < rows["full"]["trainable_params"]
     assert all(row["step_seconds"] > 0 and row["peak_rss_mb"] > 0 for row in rows.values())
+    pushes = {(row["r"], row["push"]): row for row in report["pushes"]}
+    assert set(pushes) == {(r, push) for r in (4, 8) for push in ("merged", "adapter")}
+    for r in (4, 8):  # the adapter alone carries a fraction of the merged model's bytes
+        assert pushes[r, "adapter"]["MB"] < pushes[r, "merged"]["MB"] / 2
+        assert all(pushes[r, push]["push s"] == pytest.approx(pushes[r, push]["trainer s"] + pushes[r, push]["engine s"])
+                   for push in ("merged", "adapter"))
+    assert pushes[4, "adapter"]["MB"] < pushes[8, "adapter"]["MB"]
 
 
 def _train(*argv: str) -> None:

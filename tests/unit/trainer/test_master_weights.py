@@ -165,7 +165,7 @@ def test_the_trainer_process_carries_the_masters_both_ways():
     source = bf16_trainer()
     source.step(batch(source.model))
     state = source.state_dict()
-    remote = TrainerProcess(bf16_trainer, (), template=source.weights(), threads=1)
+    remote = TrainerProcess(bf16_trainer, (), threads=1)
     try:
         remote.load_state_dict(state)
         back = remote.state_dict()

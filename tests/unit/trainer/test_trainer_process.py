@@ -67,7 +67,7 @@ class SharedChild:
         self.extra: list[TrainerProcess] = []
 
     def _start(self) -> TrainerProcess:
-        return TrainerProcess(tiny_trainer, (model(),), template=model().state_dict(), threads=1)
+        return TrainerProcess(tiny_trainer, (model(),), threads=1)
 
     def get(self, fresh: bool = False) -> TrainerProcess:
         if self.remote is not None and fresh and self.used:
@@ -133,7 +133,7 @@ def test_load_state_dict_restores_version_and_optimizer(children, one_thread):
 @pytest.mark.slow  # a trainer process of its own (~5 s to start)
 def test_an_error_in_the_child_is_raised_here_with_its_traceback(children):
     with pytest.raises(ValueError, match="this factory refuses") as caught:
-        TrainerProcess(broken_trainer, (model(),), template=model().state_dict(), threads=1)
+        TrainerProcess(broken_trainer, (model(),), threads=1)
     assert any("trainer process" in note and "broken_trainer" in note for note in caught.value.__notes__)
 
     remote = children.get()
