@@ -55,12 +55,15 @@ class _Live:
     endpoint: EndpointEpisode
     task: asyncio.Task | None = None
     outcome: AgentOutcome | None = None
-    """Lockstep: the agent returned; taken at the next settle."""
+    """The agent returned, its end not taken yet: in lockstep until the next settle, for an episode a pause holds
+    until the resume."""
     restarts: int = 0
 
 
 @dataclass
 class Settings:
+    """How agents reach the endpoint, and whether the run steps in lockstep."""
+
     base_url: Callable[[str], str]
     """An endpoint episode's base URL."""
     api_key: str
