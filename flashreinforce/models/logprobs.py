@@ -173,6 +173,10 @@ def packed_token_logprobs(
         lp_chunks.append(logprob)
         ent_chunks += [entropy] if with_entropy else []
 
+    if not lp_chunks:  # no row wants a log-prob
+        zeros = torch.zeros(B, T, dtype=dtype, device=logits.device)
+        return zeros, (zeros if with_entropy else None)
+
     def unpacked(values: torch.Tensor) -> torch.Tensor:  # (N,) at kept positions -> (B, T) at the predicted tokens
         rows = packing.unpack(values.new_zeros(keep.shape).masked_scatter(keep, values))
         return torch.nn.functional.pad(rows[:, :-1], (1, 0))

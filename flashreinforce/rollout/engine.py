@@ -387,6 +387,8 @@ class Engine:
         (models/adapter_push.py) is merged into the base this engine keeps (rollout/adapters.py), then checked
         by its probe: WeightPushError when the engine's log-probs are not the trainer's.
         """
+        if version < self._version:
+            raise ValueError(f"load_weights: version {version} is older than the engine's version {self._version}")
         own = self.model.state_dict()
         adapter = read_push(state_dict) if is_adapter_push(state_dict) else None
         loads = state_dict if adapter is None else self._adapter_base.loads(adapter, own.keys(), self._device)
@@ -404,8 +406,6 @@ class Engine:
                 f"missing {missing[:5]} ({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)}), "
                 f"wrong shapes {wrong[:5]} ({len(wrong)}); send the state_dict of the same architecture"
             )
-        if version < self._version:
-            raise ValueError(f"load_weights: version {version} is older than the engine's version {self._version}")
         self._copy_formatted({name: own[name] for name in loads}, loads)
         if adapter is None:
             self._adapter_base.forget()

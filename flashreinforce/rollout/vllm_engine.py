@@ -88,7 +88,7 @@ from flashreinforce.models.adapter_push import (
     read_push,
 )
 from flashreinforce.models.image_tokens import expand_image_placeholders
-from flashreinforce.rollout.adapters import AdapterBase, ProbeResult, PushProbe, WeightPushError
+from flashreinforce.rollout.adapters import PROBE_FLOOR, AdapterBase, ProbeResult, PushProbe, WeightPushError
 from flashreinforce.rollout.engine import EngineStats
 from flashreinforce.types import FinishReason, Generation, SamplingParams
 
@@ -359,13 +359,15 @@ class VllmEngine:
         probe_tolerance: float | None = None,
         gpu_memory_utilization: float = 0.5,
         lora_rank: int | None = None,
+        adapter_probe_tolerance: float | None = PROBE_FLOOR,
     ):
         """vLLM loads `model_dir` (a Hugging Face directory; its tokenizer is read for a vision-language model
         only). `reference` is the same model as a CPU Hugging Face copy that the engine keeps: each push is loaded
         into it too, and the probe compares vLLM against it. `dtype`: vLLM's compute dtype, float32 or bfloat16.
         `lora_rank`: the rank of the LoRA adapters pushed to it, which vLLM then applies itself (its LoRA requests);
         None, or a vision-language model or a rank past vLLM's largest: adapter pushes are merged here and loaded
-        whole."""
+        whole. `adapter_probe_tolerance`: how far the reference copy (fp32) may be from the trainer's probe
+        log-probs after an adapter push (rollout/adapters.py PushProbe; None for a trainer in bf16 or fp8)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
         if max_context <= PROBE_LENGTH:
@@ -394,9 +396,9 @@ class VllmEngine:
         self._stats = EngineStats()
         self._whole_prefills = vllm_device() == "cpu"
         slot_rank = vllm_lora_rank(lora_rank) if lora_rank and self._image_route is None else None
-        self._lora = _AdapterSlot(vllm) if slot_rank else None
+        self._lora = _AdapterSlot() if slot_rank else None
         self._adapter_base = AdapterBase()
-        self._reference_probe = PushProbe(None)
+        self._reference_probe = PushProbe(adapter_probe_tolerance)
         """The reference copy against the trainer's probe log-probs that come with an adapter push."""
         args = vllm.EngineArgs(**self._engine_args(model_dir, dtype, seed, gpu_memory_utilization, slot_rank))
         with _kept_process_state():
@@ -415,7 +417,8 @@ class VllmEngine:
             max_model_len=self.max_context, max_num_seqs=self.max_batch_size, enforce_eager=True,
             # A whole prompt and every other request's next token fit one step (see Whole prefills above); 4096
             # is vLLM's own CPU default for its LLM class.
-            max_num_batched_tokens=max(4096, self.max_context + self.max_batch_size) if self._whole_prefills else None,
+            max_num_batched_tokens=(max(4096, self.max_context + self.max_batch_size) if self._whole_prefills
+                                    else None),
             logprobs_mode="processed_logprobs", enable_prefix_caching=False, async_scheduling=False,
             gpu_memory_utilization=gpu_memory_utilization,
             mm_processor_kwargs=route.processor_kwargs if route is not None else None,
@@ -801,7 +804,7 @@ class _AdapterSlot:
     """vLLM's one LoRA adapter slot: a directory each adapter push is written to in peft's format, loaded in place
     under one id, and the LoRARequest every generation then carries."""
 
-    def __init__(self, vllm: Any) -> None:
+    def __init__(self) -> None:
         from vllm.lora.request import LoRARequest
 
         self._request_class = LoRARequest
@@ -812,9 +815,11 @@ class _AdapterSlot:
         from safetensors.torch import save_file
 
         scales = {float(layer.scale) for layer in push.layers.values()}
-        if len(scales) != 1:
-            raise ValueError(f"adapter push: its layers' scales differ ({sorted(scales)}); vLLM takes one alpha / r")
-        rank = {layer.a.shape[0] for layer in push.layers.values()}.pop()
+        ranks = {layer.a.shape[0] for layer in push.layers.values()}
+        if len(scales) != 1 or len(ranks) != 1:
+            raise ValueError(f"adapter push: its layers' scales {sorted(scales)} or ranks {sorted(ranks)} differ; vLLM "
+                             "takes one r and one alpha for an adapter")
+        rank = ranks.pop()
         directory = Path(self._dir.name)
         tensors = {f"base_model.model.{name}.lora_{side}.weight": getattr(layer, side.lower())
                    for name, layer in push.layers.items() for side in "AB"}

@@ -130,7 +130,8 @@ def build_vllm_engine(config: RunConfig, policy: Policy, shape: EngineShape) -> 
                           version=shape.version, seed=shape.seed, dtype=dtype,
                           probe_tolerance=options.probe_tolerance,
                           gpu_memory_utilization=options.gpu_memory_utilization,
-                          lora_rank=vllm_lora(config, policy))
+                          lora_rank=vllm_lora(config, policy),
+                          adapter_probe_tolerance=PROBE_FLOOR if config.precision.trainer == "fp32" else None)
 
 
 def vllm_lora(config: RunConfig, policy: Policy) -> int | None:

@@ -129,8 +129,8 @@ def _error_reply(error: BaseException) -> tuple[str, BaseException, str]:
 
 def _share(conn: Connection, trainer: Trainer, publishes: bool) -> tuple[dict[str, torch.Tensor] | None, bool]:
     """The child's half of laying out the shared weights: its push's layout to the parent (the answer to "start"),
-    which makes the file and sends its path ("publish"); the push copied in. (None when this rank publishes nothing,
-    whether the parent closes this child instead)."""
+    which makes the file and sends its path ("publish"), and the push copied in. Returns the mapped weights (None
+    when this rank publishes nothing) and whether the parent closed this child instead of sending a path."""
     state = trainer.push_state(True)  # a sharded trainer's is a collective: every rank takes part
     slots, nbytes = _layout(state)
     # plain tuples: this module is the child's __main__, whose classes the parent cannot unpickle

@@ -148,3 +148,11 @@ def test_models_that_cannot_be_packed_say_why():
     flash.config._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in packing_problem(flash)
     assert "not among those tested packed" in packing_problem(torch.nn.Linear(2, 2))
+
+
+def test_rows_that_want_no_log_prob_get_zeros():
+    model = build_model(64, 32, 2, 4, 64, seed=3)
+    ids, mask = rows()
+    nothing = torch.full((ids.shape[0],), ids.shape[1])
+    logprobs, entropies = packed_token_logprobs(model, ids, mask, packing_of(), from_tokens=nothing)
+    assert logprobs.shape == ids.shape and not logprobs.any() and not entropies.any()

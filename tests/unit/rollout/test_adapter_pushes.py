@@ -1,6 +1,7 @@
 """LoRA adapter pushes into the local engine (rollout/adapters.py): the base once, then the adapter alone merged into
 it; the engine's log-probs are the trainer's recompute; a push that did not reach the engine fails its probe."""
 
+import asyncio
 import copy
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from flashreinforce.models.logprobs import token_logprobs
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.rollout.adapters import LOW_PRECISION_FLOOR, PROBE_FLOOR, WeightPushError
 from flashreinforce.rollout.engine import Engine
+from flashreinforce.trainer.lora import LoraSettings
 from flashreinforce.types import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
@@ -132,8 +134,6 @@ def test_the_local_backend_pushes_the_base_first_then_the_adapter_alone():
     pushed = []
     load = engine.load_weights
     engine.load_weights = lambda state, version: (pushed.append(set(state)), load(state, version))
-    import asyncio
-
     for step in range(3):
         trainer.step(batch(step))
         assert asyncio.run(backend.push_weights()) == step + 1
@@ -141,3 +141,35 @@ def test_the_local_backend_pushes_the_base_first_then_the_adapter_alone():
     assert pushed[1] == pushed[2] and not pushed[1] & set(engine.model.state_dict())
     merged = trainer.weights()
     assert all(torch.equal(merged[k], v) for k, v in engine.model.state_dict().items())
+
+
+def test_push_merged_sends_the_whole_merged_model_every_time():
+    model = tiny()
+    engine = engine_of(model)
+    trainer = lora_trainer(model, lora=LoraSettings(r=4, alpha=8.0, push="merged"))
+    trainer.step(batch(0))
+    for base in (True, False):
+        push = trainer.push_state(base=base)
+        assert not is_adapter_push(push) and set(push) == set(engine.model.state_dict())
+    engine.load_weights(trainer.push_state(base=False), trainer.version)
+    merged = trainer.weights()
+    assert all(torch.equal(merged[k], v) for k, v in engine.model.state_dict().items())
+    with pytest.raises(ValueError, match="trainer.lora.push='both'"):
+        LoraSettings(push="both")
+
+
+def test_the_run_gives_vllm_a_lora_slot_and_the_local_engine_its_probe_tolerance_by_config():
+    from flashreinforce.config import load_config
+    from flashreinforce.run.engines import adapter_probe_tolerance, vllm_lora
+    from flashreinforce.run.policy import Policy
+
+    def config(*overrides):
+        return load_config(None, ["trainer.lora={r: 4, alpha: 8}", *overrides])
+
+    dense, moe = Policy(None, tiny()), Policy(None, tiny(num_experts=4, experts_per_token=2))
+    assert vllm_lora(config(), dense) == 4
+    assert vllm_lora(config("trainer.lora.push=merged"), dense) is None  # merged weights, loaded whole
+    assert vllm_lora(config(), moe) is None  # vLLM's LoRA beside fused experts: untested, so merged
+    assert vllm_lora(load_config(None, []), dense) is None
+    assert adapter_probe_tolerance(config()) == PROBE_FLOOR
+    assert adapter_probe_tolerance(config("precision.rollout=bf16")) is None
