@@ -136,9 +136,9 @@ def packed_masks(packing: Packing, config: object,
 
 
 def packing_problem(model: torch.nn.Module) -> str | None:
-    """Why this model's rows cannot be packed (None when they can): packing needs a language model of a family
-    whose masks transformers builds from positions (models/families.py's, tested packed) and an attention
-    implementation in PACKED_ATTENTION. A model that reads images trains padded."""
+    """Why this model's rows cannot be packed (None when they can): packing needs a language model of a family the
+    engine serves (models/families.py: its forward takes 4D masks for every attention layer; each is tested packed)
+    and an attention implementation in PACKED_ATTENTION. A model that reads images trains padded."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft (LoRA) wrapper's model
     if hasattr(base, "image_inputs"):
         return f"{type(base).__name__} reads images, and rows with images are not packed"
