@@ -28,7 +28,7 @@ LOSS_NAMES = ("flashreinforce", "grpo", "drgrpo", "dapo", "gspo", "gspo_token", 
 SINGLE_ROLLOUT_LOSSES = frozenset({"flashreinforce", "reinforce++", "opd"})
 """Losses whose baseline is not a per-prompt group, so group_size=1 is meaningful."""
 DEFAULT_RECIPE = "arithmetic"
-UNDEMONSTRATED_KINDS = ("files", "reasoning_gym", "gsm8k")
+UNDEMONSTRATED_KINDS = ("files", "reasoning_gym", "gsm8k", "env")
 """Data kinds with no built-in demonstrations (run/tasks.py's TASKS has the others): no SFT warm start, and no
 tiny model, whose tokenizer is made of a built-in task's characters."""
 RESERVED_TASK_NAMES = frozenset({"all", "total", "mean", "worst"})
@@ -264,9 +264,26 @@ class VisionTasksConfig(_Section):
         return self
 
 
+class EnvDataConfig(_Section):
+    num_train: int | None = Field(None, ge=1)
+    """verifiers: the first N tasks of the taskset (None: all of them, a taskset that ends). openenv: N seeded
+    training episodes (None: 1000)."""
+    num_eval: int = Field(16, ge=0)
+    """Held-out prompts. verifiers: the first of the eval taskset when `eval` is given, else the tasks after the
+    training ones. openenv: seeded episodes none of the training ones share."""
+    eval: dict[str, Any] | None = None
+    """verifiers: overrides of env.options.taskset for the held-out tasks, its eval split (e.g. {split: test})."""
+    instruction: str = ("Act in the environment: each observation follows, and each reply of yours is your next "
+                        "action.")
+    """openenv: each prompt's text (the environment's reset observation follows it)."""
+    chat: bool = True
+    """openenv: the instruction is a user message, rendered by the model's chat template (false: plain text, for a
+    model without one)."""
+
+
 class DataConfig(_Section):
     kind: Literal["arithmetic", "files", "tool_multiply", "text_game", "instructions", "reasoning_gym",
-                  "gsm8k", "vision", "visual_grid"] = "arithmetic"
+                  "gsm8k", "vision", "visual_grid", "env"] = "arithmetic"
     """arithmetic: the built-in synthetic task. instructions: the built-in instruction-following task (prompts
     with 1-3 IFEval constraints, for the `ifeval` verifier). files: `train` / `eval` in the common RL format.
     tool_multiply / text_game: the built-in agent tasks (with env.kind=python_tool / text_game). reasoning_gym:
@@ -274,7 +291,8 @@ class DataConfig(_Section):
     (data.reasoning_gym). gsm8k: train on reasoning-gym's GSM8K-derived gsm_symbolic, hold out the 100 real GSM8K
     test problems (docs/data.md). vision: the built-in visual tasks, images drawn offline (data.vision; a model
     that reads images, e.g. model.tiny.vision). visual_grid: the built-in visual agent task (with
-    env.kind=visual_grid and a model that reads images)."""
+    env.kind=visual_grid and a model that reads images). env: the environment's own tasks (env.kind=verifiers or
+    openenv; data.env)."""
     train: str | None = None
     """Training data (.jsonl, .parquet, or a `datasets.save_to_disk` directory) when kind=files."""
     eval: str | None = None
@@ -293,6 +311,9 @@ class DataConfig(_Section):
     """The visual tasks when kind=vision."""
     visual_grid: VisualGridDataConfig = VisualGridDataConfig()
     """The visual grid's layouts when kind=visual_grid."""
+    env: EnvDataConfig = EnvDataConfig()
+    """kind=env: the prompts come from the environment (env.kind=verifiers: its taskset's tasks; openenv: seeded
+    episodes, data.env.instruction the prompt); how many, and the held-out ones."""
     max_pixels: int | None = Field(None, ge=1)
     """kind=files: an image of more pixels (width x height) is downscaled to fit, keeping its aspect ratio."""
     on_bad_row: Literal["error", "skip"] = "error"
@@ -312,9 +333,12 @@ class EnvConfig(_Section):
     """math: single-turn answer checking. Multi-turn: python_tool (code in a sandbox), text_game, visual_grid
     (built in; visual_grid shows pictures), textworld, alfworld (extras), or your own class,
     `path/to/my_env.py:MyEnv` (relative to the recipe's directory or the working directory). agent: your own agent
-    (env.agent) calls the policy through the OpenAI-compatible endpoint (docs/endpoint.md)."""
+    (env.agent) calls the policy through the OpenAI-compatible endpoint (docs/endpoint.md). verifiers: a Prime
+    Intellect `verifiers` environment, its agents calling the policy through the endpoint; openenv: an OpenEnv
+    environment, in-process or over its HTTP server (extras; docs/hubs.md)."""
     options: dict[str, Any] = {}
-    """Keyword arguments of the environment's constructor."""
+    """Keyword arguments of the environment's constructor; kind verifiers: the environment's own config (its
+    `[env]` section: taskset, agent harness and runtime)."""
     max_turns: int = Field(1, ge=1)
     """Most model turns per episode; an episode that uses them all ends with finish reason "turns". If its last
     turn called a tool (the environment's info said tool_call), the verifier does not read it: reason no_answer."""
@@ -354,6 +378,12 @@ class EnvConfig(_Section):
     @property
     def is_agent(self) -> bool:
         return self.kind == "agent"
+
+    @property
+    def through_endpoint(self) -> bool:
+        """Its episodes are agents calling the policy through the endpoint: the user's (agent) or an environment's
+        (verifiers)."""
+        return self.kind in ("agent", "verifiers")
 
     @model_validator(mode="after")
     def _agent_named(self) -> EnvConfig:
@@ -972,6 +1002,23 @@ class RunConfig(_Section):
             "data": task.data, "env": task.env, "tasks": None,
             "verifier": self.verifier.model_copy(update={"reward_fn": task.verifier}),
             "rollout": self.rollout.model_copy(update=overrides)})
+
+    @model_validator(mode="after")
+    def _environment_prompts(self) -> RunConfig:
+        """data.kind=env takes the prompts from an environment that has them; a verifiers environment's tasks come
+        from nowhere else, and its rubric scores them."""
+        for name, task in self.task_list():
+            where, kind = f"tasks.{name}." if name else "", task.env.kind
+            if task.data.kind == "env" and kind not in ("verifiers", "openenv"):
+                raise ValueError(f"{where}data.kind=env takes the prompts from the environment: set {where}env.kind="
+                                 f"verifiers or openenv (it is {kind!r})")
+            if kind == "verifiers" and task.data.kind != "env":
+                raise ValueError(f"{where}env.kind=verifiers trains on its environment's tasks: set {where}data.kind=env "
+                                 f"(it is {task.data.kind})")
+            if kind == "verifiers" and task.env.reward != "env":
+                raise ValueError(f"{where}env.kind=verifiers is scored by its environment's rubric: set "
+                                 f"{where}env.reward=env (it is {task.env.reward})")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
-from optional_extras import EXTRA_MARKERS
+from optional_extras import EXTRA_MARKERS, installed
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the default run (-m 'not slow') must leave them out
@@ -18,7 +17,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for marker, packages in EXTRA_MARKERS.items():
-        missing = [p for p in packages if importlib.util.find_spec(p) is None]
+        missing = [p for p in packages if not installed(p)]
         if item.get_closest_marker(marker) is not None and missing:
             extra = marker.replace("_", "-")
             pytest.skip(f"needs the {extra} extra ({', '.join(missing)} not installed): pip install -e '.[{extra}]'")

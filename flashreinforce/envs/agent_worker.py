@@ -1,8 +1,9 @@
 """One agent worker: a process that runs many episodes of the user's agent at once, on its own event loop.
 
 `python -m flashreinforce.envs.agent_worker <fd> <pool pid>` is a fresh interpreter that imports the agent,
-`async def run(client, row) -> float | dict | None` of each agent task, and runs each episode as an asyncio task
-with an `openai.AsyncOpenAI` client bound to the episode's base URL. Protocol (pickled over the socket):
+`async def run(client, row) -> float | dict | None` of each agent task (or a built-in adapter's: an environment
+whose agents call the policy, env.kind=verifiers), and runs each episode as an asyncio task with an
+`openai.AsyncOpenAI` client bound to the episode's base URL. Protocol (pickled over the socket):
   pool -> worker: (sys_path, {task: function}) once               -> ("ready", None) | ("load_error", why)
                   ("run", sid, row, base_url, api_key, timeout_s)  -> later ("done", sid, value) | ("error", sid, why)
                   (the row's "task" picks the function)
@@ -22,13 +23,38 @@ import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from flashreinforce.lifetime import describe_error, die_with_parent
 
 AgentFn = Callable[[Any, dict[str, Any]], Any]
 RESULT_KEYS = ("reward", "answer", "passed")
 """What an agent's dict may hold: its reward, the answer text the task's verifier scores, a pass flag."""
+
+
+class BuiltinAgent(NamedTuple):
+    """An adapter of this package that plays a task's episodes: `factory(options)` gives its `run(client, row)`."""
+
+    factory: str
+    """'package.module:function'"""
+    options: dict[str, Any]
+    label: str
+    """What its errors name: the setting that chose it (env.kind=verifiers)."""
+
+
+AgentSpec = str | BuiltinAgent
+"""A user's agent by reference ('path/to/agent.py:run', 'package.module:run'), or a built-in adapter."""
+
+
+def describe_agent(spec: AgentSpec) -> str:
+    return spec.label if isinstance(spec, BuiltinAgent) else f"env.agent={spec!r}"
+
+
+def build_agent(spec: AgentSpec) -> AgentFn:
+    if isinstance(spec, str):
+        return load_agent(spec)
+    module, _, name = spec.factory.partition(":")
+    return getattr(importlib.import_module(module), name)(spec.options)
 
 
 def load_agent(reference: str) -> AgentFn:
@@ -134,7 +160,7 @@ def main(fd: int, pool_pid: int) -> None:
     try:
         if importlib.util.find_spec("openai") is None:
             raise ValueError("env.kind=agent gives the agent an openai client: pip install -e '.[endpoint]'")
-        functions = {task: load_agent(reference) for task, reference in references.items()}
+        functions = {task: build_agent(spec) for task, spec in references.items()}
         episodes = Episodes(functions, conn.send)  # imports openai before the worker says it is ready
     except Exception as error:  # noqa: BLE001 - any failure of user code is reported, not raised
         conn.send(("load_error", describe_error(error)))

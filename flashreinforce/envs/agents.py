@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashreinforce.envs.agent_worker import AgentSpec, describe_agent
 from flashreinforce.lifetime import describe_exit, start_child
 
 _STARTUP_TIMEOUT_S = 120.0
@@ -49,13 +50,14 @@ class _Worker:
 
 
 class AgentPool:
-    def __init__(self, functions: str | Mapping[str, str], *, timeout_s: float = 600.0, min_workers: int = 1,
-                 max_workers: int = 4, cancel_grace_s: float = 5.0) -> None:
-        """functions: each agent task's agent, 'path/to/agent.py:run' or 'package.module:run', by task name ("" in a
-        one-task run; a plain string is that); a row's task picks its agent."""
+    def __init__(self, functions: AgentSpec | Mapping[str, AgentSpec], *, timeout_s: float = 600.0,
+                 min_workers: int = 1, max_workers: int = 4, cancel_grace_s: float = 5.0) -> None:
+        """functions: each agent task's agent, 'path/to/agent.py:run' or 'package.module:run' (or a built-in
+        adapter, agent_worker.BuiltinAgent), by task name ("" in a one-task run; one agent alone is that); a row's
+        task picks its agent."""
         if not 1 <= min_workers <= max_workers:
             raise ValueError(f"agent workers: need 1 <= min_workers ({min_workers}) <= max_workers ({max_workers})")
-        self.functions = {"": functions} if isinstance(functions, str) else dict(functions)
+        self.functions = dict(functions) if isinstance(functions, Mapping) else {"": functions}
         self.timeout_s, self.cancel_grace_s = timeout_s, cancel_grace_s
         self.min_workers, self.max_workers = min_workers, max_workers
         self._workers: list[_Worker] = []
@@ -153,7 +155,7 @@ class AgentPool:
             kind, reason = "lost", f"it did not start within {_STARTUP_TIMEOUT_S:.0f} s"
         if kind != "ready":
             self._stop(worker)
-            names = " ".join(f"{f'tasks.{t}.' if t else ''}env.agent={f!r}" for t, f in self.functions.items())
+            names = " ".join(f"{f'tasks.{t}.' if t else ''}{describe_agent(f)}" for t, f in self.functions.items())
             raise RuntimeError(f"{names}: the agent worker could not start: {reason}")
         self._workers.append(worker)
         self.counts["workers_started"] += 1

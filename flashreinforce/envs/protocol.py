@@ -88,6 +88,7 @@ ENV_KINDS: dict[str, str] = {
     "visual_grid": "flashreinforce.envs.visual_grid:VisualGridEnv",
     "textworld": "flashreinforce.envs.textworld_env:TextWorldEnv",
     "alfworld": "flashreinforce.envs.textworld_env:ALFWorldEnv",
+    "openenv": "flashreinforce.envs.openenv_env:OpenEnvEnv",
 }
 """Built-in multi-turn environments (module:class, imported in the worker that runs them)."""
 

@@ -131,7 +131,7 @@ def build_episodes(config: RunConfig, tokenizer: Any, model: Any = None) -> Text
 def env_specs(config: RunConfig) -> dict[str, EnvSpec]:
     """Each multi-turn task's environment, by task name ("" for a one-task run's)."""
     return {name: EnvSpec(kind=task.env.kind, options=dict(task.env.options))
-            for name, task in config.task_list() if task.env.multi_turn and not task.env.is_agent}
+            for name, task in config.task_list() if task.env.multi_turn and not task.env.through_endpoint}
 
 
 def build_env_pool(config: RunConfig, start_worker: Callable[[], WorkerLink] = ProcessWorker) -> EnvPool | None:
@@ -152,8 +152,8 @@ def build_episode_backend(config: RunConfig, backend: Backend, episodes: TextEpi
     """Episodes over the backend, each task's single-turn, over env_pool with its own turn budget, reward and
     observation rendering, or its agent's through the endpoint (`agents`, run/endpoint.py)."""
     routes = {name: TaskRoute(renderer_for(config.for_task(name), episodes.tokenizer, episodes.images)
-                              if task.env.multi_turn and not task.env.is_agent else None, task.env.max_turns,
-                              task.env.reward, agent=task.env.is_agent)
+                              if task.env.multi_turn and not task.env.through_endpoint else None, task.env.max_turns,
+                              task.env.reward, agent=task.env.through_endpoint)
               for name, task in config.task_list()}
     return EpisodeBackend(backend, episodes, pool=env_pool, tasks=routes, agents=agents,
                           settings=EpisodeSettings(max_context=max_context, lockstep=config.deterministic))

@@ -1,5 +1,6 @@
-"""The run's prompts: a built-in task (run/tasks.py), reasoning-gym tasks and GSM8K (docs/data.md), or train/eval
-files in the common RL format."""
+"""The run's prompts: a built-in task (run/tasks.py), reasoning-gym tasks and GSM8K (docs/data.md), train/eval files
+in the common RL format, or an environment's own (data.kind=env: a verifiers taskset's tasks, seeded OpenEnv
+episodes)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from flashreinforce.config import RECIPES_DIR, ReasoningGymConfig, RunConfig
 from flashreinforce.data.gsm8k import gsm8k_prompts
 from flashreinforce.data.loaders import load_prompts
 from flashreinforce.data.reasoning_gym import make_reasoning_gym_splits
+from flashreinforce.envs.openenv_env import seeded_prompts
+from flashreinforce.envs.verifiers_env import taskset_prompts
 from flashreinforce.types import Prompt
 
 
@@ -54,6 +57,9 @@ def load_task_data(config: RunConfig) -> Data:
     if config.data.kind in ("reasoning_gym", "gsm8k"):
         train, held_out = generated_splits(config)
         return Data(train=train, eval=held_out, skipped_rows=0)
+    if config.data.kind == "env":
+        train, held_out = environment_splits(config)
+        return Data(train=train, eval=held_out, skipped_rows=0)
     for split, path in (("train", config.data.train), ("eval", config.data.eval)):
         if not Path(path).exists():
             recipe = RECIPES_DIR / f"{config.name}.yaml"
@@ -63,6 +69,17 @@ def load_task_data(config: RunConfig) -> Data:
     train = load_prompts(config.data.train, on_bad_row=config.data.on_bad_row, max_pixels=config.data.max_pixels)
     held_out = load_prompts(config.data.eval, on_bad_row=config.data.on_bad_row, max_pixels=config.data.max_pixels)
     return Data(train=train.prompts, eval=held_out.prompts, skipped_rows=len(train.skipped) + len(held_out.skipped))
+
+
+def environment_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
+    """data.kind=env: a verifiers environment's tasks (env.kind=verifiers), or seeded episodes of an OpenEnv
+    environment, data.env.instruction their prompt (env.kind=openenv; config checked the kinds)."""
+    settings = config.data.env
+    if config.env.kind == "verifiers":
+        return taskset_prompts(config.env.options, num_train=settings.num_train, num_eval=settings.num_eval,
+                               eval_overrides=settings.eval)
+    return seeded_prompts(settings.instruction, num_train=settings.num_train, num_eval=settings.num_eval,
+                          chat=settings.chat)
 
 
 def generated_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:

@@ -1,6 +1,7 @@
-"""The endpoint of a run: the OpenAI-compatible server over its engine, and the agent pool of its agent tasks.
+"""The endpoint of a run: the OpenAI-compatible server over its engine, and the agent pool of its agent tasks (the
+user's agents, env.kind=agent, and verifiers environments, env.kind=verifiers, whose agents call the policy too).
 
-Built (nothing started) by `build_agent_parts` when a task has env.kind=agent or endpoint.serve is set; started
+Built (nothing started) by `build_agent_parts` when a task has such a kind or endpoint.serve is set; started
 by `start_agent_parts`, which binds the server (loopback by default), writes endpoint.json (its URL and key, readable
 by the owner only) into the run directory, and starts the agent workers. The stack closes both.
 """
@@ -15,19 +16,29 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from flashreinforce.config import RunConfig
+from flashreinforce.config import RunConfig, TaskConfig
 from flashreinforce.controller.agent_episodes import Settings
 from flashreinforce.controller.episodes import AgentParts
 from flashreinforce.endpoint.chat import CHAT_TEMPLATES
 from flashreinforce.endpoint.service import Endpoint
+from flashreinforce.envs.agent_worker import AgentSpec, BuiltinAgent
 from flashreinforce.envs.agents import AgentPool
+from flashreinforce.envs.verifiers_env import EXTRA_HINT as VERIFIERS_HINT
 
 EXTRA_HINT = "pip install -e '.[endpoint]' (aiohttp serves the endpoint, openai is the agents' client)"
 
 
-def agent_functions(config: RunConfig) -> dict[str, str]:
+def agent_functions(config: RunConfig) -> dict[str, AgentSpec]:
     """Each agent task's agent, by task name ("" in a one-task run)."""
-    return {name: task.env.agent for name, task in config.task_list() if task.env.is_agent}
+    return {name: agent_spec(task) for name, task in config.task_list() if task.env.through_endpoint}
+
+
+def agent_spec(task: TaskConfig) -> AgentSpec:
+    """The user's agent (env.kind=agent), or the adapter that plays a verifiers environment's episodes."""
+    if task.env.is_agent:
+        return task.env.agent
+    return BuiltinAgent("flashreinforce.envs.verifiers_env:make_agent",
+                        {"env": dict(task.env.options), "eval": task.data.env.eval}, "env.kind=verifiers")
 
 
 def serves_endpoint(config: RunConfig) -> bool:
@@ -40,8 +51,10 @@ def check_endpoint(config: RunConfig) -> None:
         return
     missing = [name for name in ("aiohttp", "openai") if importlib.util.find_spec(name) is None]
     if missing:
-        why = "env.kind=agent" if agent_functions(config) else "endpoint.serve=true"
-        raise ValueError(f"{why} needs {' and '.join(missing)}: {EXTRA_HINT}")
+        kinds = {task.env.kind for _, task in config.task_list() if task.env.through_endpoint}
+        why = f"env.kind={' and '.join(sorted(kinds))}" if kinds else "endpoint.serve=true"
+        hint = f"{VERIFIERS_HINT} (it holds what the endpoint needs)" if "verifiers" in kinds else EXTRA_HINT
+        raise ValueError(f"{why} needs {' and '.join(missing)}: {hint}")
     chat_template(config)
     if config.backend.kind != "local":
         raise ValueError(f"the endpoint (env.kind=agent, endpoint.serve) runs with backend.kind=local; "
@@ -79,7 +92,7 @@ def build_agent_parts(config: RunConfig, tokenizer: Any, context: int,
     server = EndpointServer(endpoint, api_key=options.api_key or secrets.token_urlsafe(24), host=options.host,
                             port=options.port)
     stack.push_async_callback(server.stop)
-    envs = [task.env for _, task in config.task_list() if task.env.is_agent] or [config.env]
+    envs = [task.env for _, task in config.task_list() if task.env.through_endpoint] or [config.env]
     pool = AgentPool(agent_functions(config), timeout_s=max(env.agent_timeout_s for env in envs),
                      min_workers=max(env.min_workers for env in envs),
                      max_workers=max(max(env.min_workers, env.max_workers) for env in envs))

@@ -25,7 +25,6 @@ annotation, or on an annotation it does not know; the slow tests run the blocks,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from optional_extras import EXTRA_MARKERS
+from optional_extras import EXTRA_MARKERS, installed
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -276,7 +275,7 @@ def with_tiny_overrides(text: str, *, tiny: list[str], agent: list[str], tool: l
 def missing(need: str) -> str | None:
     """Why `need` is not here (None: it is)."""
     if need in EXTRAS:
-        if any(importlib.util.find_spec(package) is None for package in EXTRAS[need]):
+        if not all(installed(package) for package in EXTRAS[need]):
             return f"needs the {need} extra (pip install -e '.[{need}]')"
     elif need == "vllm":
         python = REPO / ".venv-vllm" / "bin" / "python"
