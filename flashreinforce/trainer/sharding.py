@@ -77,6 +77,15 @@ def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None) -> in
     return len(blocks)
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free the full parameters a forward without a backward leaves gathered: FSDP's root module keeps its own
+    (the embeddings, the final norm, the LM head) gathered after a forward, for the backward it expects, and a
+    state-dict load into them would then meet plain tensors where it expects shards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def casts_for_compute(numerics: Numerics) -> bool:
     """Whether FSDP's own cast of the gathered fp32 shards gives this format: fp32, or bf16 computing in bf16
     (else ShardedMasters formats the shards)."""

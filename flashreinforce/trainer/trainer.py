@@ -43,6 +43,7 @@ from flashreinforce.trainer.sharding import (
     full_weights,
     load_full_optimizer_state,
     load_full_weights,
+    reshard,
     shard_model,
     total_norm,
 )
@@ -266,8 +267,9 @@ class Trainer:
     def _old_pass(self, batch: TrainBatch, micros: list[tuple[torch.Tensor, TrainBatch]],
                   tally: _Tally) -> list[OldPass]:
         """theta_old's log-probs and entropies of a later mini-batch's microbatches, before any step of the batch."""
+        idle = self._idle_passes(micros)  # agreed on before the first forward, which is a collective when sharded
         passes = [OldPass(*(t.detach() for t in self._policy_forward(micro, tally))) for _, micro in micros]
-        for _ in range(self._idle_passes(micros)):
+        for _ in range(idle):
             self._idle_forward(batch.rows(0, 1))
         return passes
 
@@ -277,9 +279,10 @@ class Trainer:
         this rank's share of them in `micros`; returns the step's gradient norm."""
         self.model.zero_grad(set_to_none=True)  # the model's, not only the masters': a failed step's bf16 grads
         norm = part_norm(targets.norm, batch.loss_mask, rows)
+        idle = self._idle_passes(micros)  # agreed on before the first backward, which is a collective when sharded
         for (micro_rows, micro), cached in zip(micros, old):
             self._backward(micro, micro_rows, targets, norm, tally, cached, share)
-        for _ in range(self._idle_passes(micros)):
+        for _ in range(idle):
             self._idle_backward(batch.rows(0, 1))
         return self._apply_gradients()
 
@@ -499,6 +502,8 @@ class Trainer:
             logprobs = probe_logprobs(self.model, ids)
         finally:
             self.model.train(training)
+            if self.sharded:  # a forward with no backward after it: the root's parameters stay gathered otherwise
+                reshard(self.model)
         return {PROBE_IDS: ids, PROBE_LOGPROBS: logprobs}
 
     def save_model(self, directory: Path) -> None:
