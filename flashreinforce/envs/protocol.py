@@ -101,9 +101,10 @@ def resolve_env_class(spec: EnvSpec) -> type:
     """The class `spec.kind` names; errors say what to write instead."""
     target = ENV_KINDS.get(spec.kind)
     if target is None and not is_user_env(spec.kind):
-        close = difflib.get_close_matches(spec.kind, ["math", *ENV_KINDS], n=1)
+        known = ["math", "agent", "verifiers", *ENV_KINDS]
+        close = difflib.get_close_matches(spec.kind, known, n=1)
         raise ValueError(f"env.kind={spec.kind!r} is not a known environment"
-                         f"{f' (did you mean {close[0]!r}?)' if close else ''} ({', '.join(['math', *ENV_KINDS])}) "
+                         f"{f' (did you mean {close[0]!r}?)' if close else ''} ({', '.join(known)}) "
                          "nor user code; write env.kind=path/to/my_env.py:MyEnv")
     if target is not None:
         module_name, _, class_name = target.partition(":")

@@ -31,8 +31,13 @@ from flashreinforce.lifetime import describe_error
 from flashreinforce.types import Prompt
 
 EXTRA_HINT = "pip install -e '.[verifiers]'"
-KEY_VARIABLE = "FLASHREINFORCE_ENDPOINT_KEY"
-"""The environment variable verifiers' client reads the endpoint's key from (it takes keys by variable name)."""
+KEY_VARIABLE = "FLASHREINFORCE_ENDPOINT_API_KEY"
+"""The environment variable verifiers' client reads the endpoint's key from (it takes keys by variable name). Its
+name holds API_KEY: verifiers keeps such variables from the harness programs it starts on this machine, which reach
+the model through its interception server, with a secret of their own."""
+REMOTE_HINT = ("verifiers runs an agent in Prime's sandboxes, reached through a Prime tunnel, unless "
+               "env.options.agent.runtime says otherwise: {type: subprocess} runs it on this machine, {type: docker} "
+               "in a container")
 MODEL = "policy"
 
 
@@ -148,12 +153,28 @@ class VerifiersEpisodes:
         except Exception as error:  # noqa: BLE001 - the environment's own code: named, whatever it raises
             raise ValueError(f"the verifiers environment {self.config.env_id!r} raised while loading: "
                              f"{describe_error(error)}") from None
+        self._check_runtimes()
         self.task_class = type(self.env.taskset).task_type()
         self.task_configs = {"train": self.config.taskset.task, "eval": self.config.taskset.task}
         if eval_overrides is not None:
             self.task_configs["eval"] = env_config(eval_options(options, eval_overrides)).taskset.task
         self._serving: Any = None
         self._opening = asyncio.Lock()
+
+    def _check_runtimes(self) -> None:
+        """An agent in Prime's sandboxes needs a Prime login (and a tunnel to reach it): without one, say so now.
+        verifiers would raise SystemExit from inside its event loop's tasks, which no episode could contain."""
+        from verifiers.v1.runtimes import runtime_is_local
+        from verifiers.v1.utils.prime import ensure_prime_auth
+
+        remote = [name for name, agent in self.config if isinstance(agent, self.vf.AgentConfig)
+                  and not runtime_is_local(agent.runtime)]
+        if remote:
+            try:
+                ensure_prime_auth()
+            except SystemExit as stop:
+                raise ValueError(f"the verifiers environment {self.config.env_id!r} runs its agent(s) {remote} in "
+                                 f"Prime's sandboxes, and {stop}; or: {REMOTE_HINT}") from None
 
     async def run(self, client: Any, row: dict[str, Any]) -> dict[str, float]:
         """One episode of the row's task, its model calls relayed to the client's base URL; its reward."""

@@ -19,9 +19,14 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
+def _hub_env(tmp_path: Path) -> dict[str, str]:
+    """The process environment of a command that imports the test's environments."""
+    envs = write_hub_envs(tmp_path / "envs")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(envs), os.environ.get("PYTHONPATH", "")])}
+
+
 def _train(tmp_path: Path, model: Path, overrides: list[str]) -> tuple[dict, list[dict], list[dict]]:
     """Run `flashreinforce train` with the test's environments importable; its summary, step rows and samples."""
-    envs = write_hub_envs(tmp_path / "envs")
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "flashreinforce", "train", "--output", str(run_dir), f"model.path={model}",
                "data.kind=env", "data.env.num_train=64", "data.env.num_eval=4", "env.reward=env",
@@ -29,8 +34,7 @@ def _train(tmp_path: Path, model: Path, overrides: list[str]) -> tuple[dict, lis
                "scheduler.batch_groups=4", f"trainer.steps={STEPS}", "trainer.microbatch_size=8", "eval.num_prompts=4",
                "eval.k=1", "log.progress=false", "log.tensorboard=false", "log.samples_per_step=16",
                "verifier.min_workers=1", "verifier.max_workers=1", *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(envs), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, env=_hub_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -56,6 +60,12 @@ def test_a_verifiers_environment_trains_through_the_endpoint(save_chat_model, tm
     assert _rewards_vary(samples)
     same = [row["mismatch/same_weights_abs_max"] for row in steps if "mismatch/same_weights_abs_max" in row]
     assert same and max(same) <= 1e-5, "behavior log-probs are the trainer's own"
+    # the run's checkpoint evaluates on the held-out tasks (the test split) with the environment's agent
+    evaluation = subprocess.run([sys.executable, "-m", "flashreinforce", "eval", str(tmp_path / "run"), "--k", "1",
+                                 "--json", str(tmp_path / "eval.json")], env=_hub_env(tmp_path), capture_output=True,
+                                text=True, timeout=300)
+    assert evaluation.returncode == 0, (evaluation.stdout + evaluation.stderr)[-4000:]
+    assert json.loads((tmp_path / "eval.json").read_text())["num_prompts"] == 4
 
 
 @pytest.mark.openenv

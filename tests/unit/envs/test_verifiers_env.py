@@ -146,3 +146,14 @@ def test_a_failing_episode_or_a_reward_that_is_not_a_number_raises_naming_it():
         assert isinstance(error, (RuntimeError, ValueError)), error
         assert f"the verifiers environment '{VERIFIERS_PACKAGE}'" in str(error)
         assert re.search(why, str(error)), str(error)
+
+
+
+def test_an_agent_in_prime_sandboxes_without_a_prime_login_says_how_to_run_it_here(monkeypatch, tmp_path):
+    from flashreinforce.envs.verifiers_env import make_agent
+
+    monkeypatch.delenv("PRIME_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no Prime login there
+    with pytest.raises(ValueError, match=r"runs its agent\(s\) \['agent'\] in Prime's sandboxes, and not "
+                                         "authenticated with prime.*runtime says otherwise: {type: subprocess}"):
+        make_agent({"env": {"taskset": PARITY["taskset"]}, "eval": None})  # verifiers' default runtime
