@@ -9,7 +9,8 @@ from pathlib import Path
 
 VERIFIERS_PACKAGE = "vf_parity"
 VERIFIERS_SOURCE = '''
-"""Tasks "say something (k)"; the reward is the parity of the last reply's length. fault: where it breaks."""
+"""Tasks "say something (k)"; the reward is the parity of the last reply's length. fault: where it breaks (some: the
+reward of every eighth task is not a number)."""
 from typing import Literal
 
 import verifiers.v1 as vf
@@ -33,7 +34,7 @@ class ParityTask(vf.Task[ParityData, vf.State, vf.TaskConfig]):
 class ParityConfig(vf.TasksetConfig):
     split: Literal["train", "test"] = "train"
     size: int = 64
-    fault: Literal["none", "load", "tasks", "episode", "reward", "nan"] = "none"
+    fault: Literal["none", "load", "tasks", "episode", "reward", "nan", "some"] = "none"
 
 
 class ParityTaskset(vf.Taskset[ParityTask, ParityConfig]):
@@ -47,6 +48,8 @@ class ParityTaskset(vf.Taskset[ParityTask, ParityConfig]):
             if self.config.fault == "tasks" and k == 2:
                 raise RuntimeError("the parity taskset broke at its third task")
             answer = f"fault:{self.config.fault}" if self.config.fault in ("episode", "reward", "nan") else ""
+            if self.config.fault == "some" and k % 8 == 7:
+                answer = "fault:reward"
             yield ParityTask(ParityData(prompt=f"Say something ({self.config.split} {k}).", answer=answer),
                              self.config.task)
 

@@ -56,12 +56,12 @@ def import_object(reference: str, setting: str) -> Any:
     target, colon, name = reference.rpartition(":")
     if not colon or not target or not name:
         raise ValueError(f"{setting}={reference!r}: write 'package.module:Name' or 'path/to/file.py:Name'")
+    path = Path(target).resolve()
+    if target.endswith(".py") and not path.is_file():
+        raise ValueError(f"{setting}={reference!r}: no file {path} (relative to {Path.cwd()})")
     try:
         if target.endswith(".py"):
-            path = Path(target).resolve()
             spec = importlib.util.spec_from_file_location(f"_flashreinforce_openenv_{abs(hash(str(path)))}", path)
-            if spec is None or not path.is_file():
-                raise ValueError(f"no file {path}")
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)

@@ -52,7 +52,8 @@ def import_verifiers() -> Any:
 def env_config(options: dict[str, Any]) -> Any:
     """verifiers' EnvConfig of env.options, its taskset and agents resolved; errors name the setting."""
     vf = import_verifiers()
-    taskset_id = (options.get("taskset") or {}).get("id") if isinstance(options.get("taskset"), dict) else None
+    taskset = options.get("taskset")
+    taskset_id = taskset.get("id") if isinstance(taskset, dict) else None
     if not taskset_id:
         raise ValueError("env.kind=verifiers loads an environment by its taskset's id: set env.options.taskset.id "
                          "(an installed environment package, or one importable from PYTHONPATH)")

@@ -49,12 +49,14 @@ def _rewards_vary(samples: list[dict]) -> bool:
 
 @pytest.mark.verifiers
 def test_a_verifiers_environment_trains_through_the_endpoint(save_chat_model, tmp_path):
-    options = f"{{taskset: {{id: {VERIFIERS_PACKAGE}, size: 64}}, agent: {{runtime: {{type: subprocess}}}}}}"
+    """Every eighth task's reward is not a number: those episodes end as agent_error, counted, and the run goes on."""
+    options = (f"{{taskset: {{id: {VERIFIERS_PACKAGE}, size: 64, fault: some}}, "
+               "agent: {runtime: {type: subprocess}}}")
     summary, steps, samples = _train(tmp_path, save_chat_model(32, 1), [
         "env.kind=verifiers", f"env.options={options}", "data.env.eval={split: test}", "env.max_prompt_tokens=96"])
     assert summary["optimizer_steps"] == STEPS and summary["trained_trajectories"] == STEPS * 16
     last = steps[-1]
-    assert last["episode/end/done"] >= STEPS * 16 and not any(k.startswith("episode/end/agent_") for k in last)
+    assert last["episode/end/done"] >= STEPS * 12 and last["episode/end/agent_error"] >= 1, last
     assert last["endpoint/calls"] >= 2 * last["episode/end/done"], "its agent's two calls each episode"
     assert last["episode/multi_segment"] == 0, "the second call continues the first, token for token"
     assert _rewards_vary(samples)

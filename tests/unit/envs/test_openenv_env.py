@@ -100,7 +100,7 @@ def test_in_process_and_over_its_server_an_episode_reads_the_same(envs_on_path):
 
 
 @pytest.mark.openenv
-def test_bad_environments_are_named_and_end_only_their_episode(envs_on_path):
+def test_bad_environments_are_named_and_end_only_their_episode(envs_on_path, tmp_path):
     def open_episode(**options):
         sessions = EnvSessions(EnvSpec(kind="openenv", options=options))
         return sessions, sessions.handle(("open", "s", Prompt(id="p", prompt="", ground_truth=""), 0, ()))
@@ -108,6 +108,8 @@ def test_bad_environments_are_named_and_end_only_their_episode(envs_on_path):
     module = f"{OPENENV_MODULE}:ParityEnvironment"
     sessions, opened = open_episode(env=module)
     assert opened == ("ok", "Say something (" + str(episode_seed("p")) + ").")
+    by_file = open_episode(env=f"{tmp_path / 'envs' / OPENENV_MODULE}.py:ParityEnvironment")[1]
+    assert by_file == opened, "a file path names it too"
     step = sessions.handle(("step", "s", "odd"))
     assert step[0] == "ok" and step[1].reward == 1.0 and step[1].observation == "Again." and not step[1].done
     assert open_episode(env=module, env_kwargs={"fault": "reset"})[1] == (
@@ -119,6 +121,7 @@ def test_bad_environments_are_named_and_end_only_their_episode(envs_on_path):
         assert "s" not in sessions.envs, "the failed episode is closed; the worker goes on"
     for options, why in (({"env": "no_such_module:Env"}, "env.options.env='no_such_module:Env': No module"),
                          ({"env": f"{OPENENV_MODULE}:Nope"}, "has no 'Nope'"),
+                         ({"env": "nowhere/env.py:Env"}, "env.options.env='nowhere/env.py:Env': no file"),
                          ({"env": f"{OPENENV_MODULE}:Unannotated"}, "env.options.action=package.module:MyAction"),
                          ({}, "exactly one of env.options.env"),
                          ({"env": module, "app": f"{OPENENV_MODULE}:app"}, "given: ['env', 'app']"),
