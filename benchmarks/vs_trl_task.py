@@ -17,7 +17,10 @@ from typing import Any
 
 RECIPES = {"flashreinforce": "arithmetic", "grpo": "arithmetic_grpo"}
 """Our two methods are the shipped recipes: FlashREINFORCE (128 prompts x 1) and GRPO (32 prompts x 4)."""
-METHODS = ("flashreinforce", "grpo", "trl")
+TRL_METHODS = ("trl", "trl-all-cores")
+"""TRL's GRPOTrainer with `model.generate` (of TRL's configurations, vs_trl_routes.py tries each on this machine):
+at the threads every run gets, and at all the machine's cores (torch's default, which TRL keeps)."""
+METHODS = (*RECIPES, *TRL_METHODS)
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,9 @@ class Settings:
     lr: float
     grad_clip: float
     threads: int
-    """torch intra-op threads in every run."""
+    """torch intra-op threads in every run but trl-all-cores's training, and in every held-out evaluation."""
+    all_cores: int
+    """torch intra-op threads of trl-all-cores's generation and training: the cores this process may use."""
     sft_steps: int
     """Steps of the shared SFT warm start."""
 
@@ -57,12 +62,18 @@ class Settings:
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def trl_threads(self, method: str) -> int:
+        """The torch threads a TRL method generates and trains with (its held-out evaluation keeps `threads`)."""
+        return self.all_cores if method == "trl-all-cores" else self.threads
+
     def label(self, method: str) -> str:
-        """How the table names a method, with its prompts x rollouts per optimizer step."""
+        """How the table names a method, with its prompts x rollouts per optimizer step (and TRL's threads)."""
         groups = f"{self.trajectories // self.group_size}x{self.group_size}"
+        if method in TRL_METHODS:
+            threads = self.trl_threads(method)
+            return f"TRL GRPOTrainer ({groups}, {threads} thread{'s' if threads > 1 else ''})"
         return {"flashreinforce": f"ours: FlashREINFORCE ({self.trajectories}x1, async)",
-                "grpo": f"ours: GRPO ({groups}, async)",
-                "trl": f"TRL GRPOTrainer ({groups})"}[method]
+                "grpo": f"ours: GRPO ({groups}, async)"}[method]
 
 
 def task_overrides(settings: Settings) -> list[str]:
@@ -138,6 +149,8 @@ class WorkerSpec:
     """What the orchestrator hands a TRL worker process (as JSON)."""
 
     settings: Settings
+    method: str
+    """One of TRL_METHODS."""
     seed: int
     warm_dir: str
     run_dir: str
@@ -145,7 +158,7 @@ class WorkerSpec:
     @classmethod
     def read(cls, path: Path) -> WorkerSpec:
         raw = json.loads(path.read_text())
-        return cls(Settings(**raw["settings"]), raw["seed"], raw["warm_dir"], raw["run_dir"])
+        return cls(Settings(**raw["settings"]), raw["method"], raw["seed"], raw["warm_dir"], raw["run_dir"])
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -154,7 +167,9 @@ class WorkerSpec:
 class HeldOut:
     """Scores any model's current weights exactly as our runs score theirs: our engine, our `evaluate`.
 
-    The engine holds its own copy of the weights; each call copies the given model's state_dict in.
+    The engine holds its own copy of the weights; each call copies the given model's state_dict in. It evaluates
+    with the torch threads our runs evaluate with (`backend.torch_threads`) whatever the caller trains with, so a
+    thread count cannot change a score (a matmul's sums, hence a sampled token, may depend on it).
     """
 
     def __init__(self, model: Any, tokenizer: Any, config: Any, prompts: list[Any], seed: int) -> None:
@@ -167,6 +182,7 @@ class HeldOut:
         self.prompts = prompts
         self.seed = seed
         self.k = config.eval.k
+        self.threads = config.backend.torch_threads
         self.params = eval_params(config)  # what our training run gives its held-out evaluation (run/hooks.py)
         shape = EngineShape(longest_rendered(self.episodes, prompts), config.rollout.max_new_tokens, version=0,
                             seed=seed)
@@ -175,11 +191,18 @@ class HeldOut:
         self.backend = LocalBackend(self.engine, None, self.pool, tokenizer, overlap=False)
 
     def __call__(self, model: Any, version: int) -> float:
+        import torch
+
         from flashreinforce.eval.evaluate import evaluate
 
-        self.engine.load_weights(model.state_dict(), version)
-        report = asyncio.run(evaluate(self.backend, self.episodes, self.prompts, k=self.k, params=self.params,
-                                      seed=self.seed))
+        training_threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            self.engine.load_weights(model.state_dict(), version)
+            report = asyncio.run(evaluate(self.backend, self.episodes, self.prompts, k=self.k, params=self.params,
+                                          seed=self.seed))
+        finally:
+            torch.set_num_threads(training_threads)
         return report.overall.avg_at_k
 
     def close(self) -> None:

@@ -5,7 +5,9 @@ loaded from the shared directory, a plain-text `prompt` column ("37+485="), a re
 the sampled ids the way our episodes do and calls our math verifier, 32 prompts x 4 generations = 128
 completions and one optimizer step per generation batch, T=1 / top-p 1 / top-k off, 64 new tokens, AdamW
 with a constant learning rate and the same clip, no KL (beta=0), loss_type="grpo" (the objective of our
-GRPO), fp32 on the CPU. Timing, token counts and held-out scores come from one callback.
+GRPO), fp32 on the CPU, generating with `model.generate`. It generates and trains at the method's threads
+(trl: --threads, trl-all-cores: all cores) and evaluates at --threads. Timing, token counts and held-out scores
+come from one callback.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from vs_trl_task import RECIPES, EvalPoint, HeldOut, WorkerSpec, task_overrides
+from vs_trl_task import RECIPES, EvalPoint, HeldOut, Settings, WorkerSpec, task_overrides
 
 from flashreinforce.run.data import load_data
 from flashreinforce.run.policy import seed_everything
@@ -81,9 +83,55 @@ class Clock(TrainerCallback):
             control.should_training_stop = True
 
 
+def grpo_args(settings: Settings, seed: int, run_dir: str, **options: Any) -> GRPOConfig:
+    """The task's settings as TRL's options; `options` adds or overrides some (vs_trl_routes.py's routes)."""
+    return GRPOConfig(**{
+        "output_dir": run_dir,
+        "seed": seed,
+        "use_cpu": True,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "per_device_train_batch_size": settings.trajectories,
+        "gradient_accumulation_steps": 1,  # one optimizer step per generation batch
+        "num_generations": settings.group_size,
+        "max_completion_length": settings.max_new_tokens,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "learning_rate": settings.lr,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "max_grad_norm": settings.grad_clip,
+        "beta": 0.0,
+        "loss_type": "grpo",
+        "max_steps": settings.steps,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        **options,
+    })
+
+
+def prompt_dataset(prompts: list[Any]) -> Dataset:
+    """TRL's train set: the plain-text prompts and, for the reward function, their answers."""
+    return Dataset.from_dict({"prompt": [p.prompt for p in prompts], "ground_truth": [p.ground_truth for p in prompts]})
+
+
+def check_same_tokens(trainer: Any, tokenizer: Any, prompts: list[Any]) -> None:
+    """TRL must see the prompts as our engine does and stop where it stops."""
+    episodes = TextEpisodes(tokenizer)
+    for prompt in prompts[:64]:
+        theirs = trainer.processing_class(text=[prompt.prompt])["input_ids"][0]
+        assert list(theirs) == episodes.prompt_ids(prompt), \
+            f"TRL tokenizes {prompt.prompt!r} as {theirs}, our engine as {episodes.prompt_ids(prompt)}"
+    assert trainer.eos_token_ids == [tokenizer.eos_token_id], f"TRL stops on {trainer.eos_token_ids}"
+
+
 def run_trl(spec: WorkerSpec) -> None:
     settings = spec.settings
-    torch.set_num_threads(settings.threads)
+    torch.set_num_threads(settings.trl_threads(spec.method))  # held-out evaluation switches to settings.threads
     config = load_config(RECIPES["grpo"], task_overrides(settings))
     seed_everything(spec.seed)
     data = load_data(config)
@@ -92,43 +140,10 @@ def run_trl(spec: WorkerSpec) -> None:
     held_out = HeldOut(model, tokenizer, config, data.eval[: settings.eval_prompts], spec.seed)
     tokens = SampledTokens(tokenizer)
     clock = Clock(held_out, tokens, every=settings.eval_every, max_seconds=settings.max_seconds)
-    args = GRPOConfig(
-        output_dir=spec.run_dir,
-        seed=spec.seed,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        per_device_train_batch_size=settings.trajectories,
-        gradient_accumulation_steps=1,  # one optimizer step per generation batch
-        num_generations=settings.group_size,
-        max_completion_length=settings.max_new_tokens,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        learning_rate=settings.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=settings.grad_clip,
-        beta=0.0,
-        loss_type="grpo",
-        max_steps=settings.steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    dataset = Dataset.from_dict({"prompt": [p.prompt for p in data.train],
-                                 "ground_truth": [p.ground_truth for p in data.train]})
-    trainer = GRPOTrainer(model=model, reward_funcs=tokens, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[clock])
+    trainer = GRPOTrainer(model=model, reward_funcs=tokens, args=grpo_args(settings, spec.seed, spec.run_dir),
+                          train_dataset=prompt_dataset(data.train), processing_class=tokenizer, callbacks=[clock])
     trainer.remove_callback(PrinterCallback)  # per-step log dicts on stdout; the log history keeps them
-    episodes = TextEpisodes(tokenizer)
-    for prompt in data.train[:64]:
-        theirs = trainer.processing_class(text=[prompt.prompt])["input_ids"][0]
-        assert list(theirs) == episodes.prompt_ids(prompt), \
-            f"TRL tokenizes {prompt.prompt!r} as {theirs}, our engine as {episodes.prompt_ids(prompt)}"
-    assert trainer.eos_token_ids == [tokenizer.eos_token_id], f"TRL stops on {trainer.eos_token_ids}"
+    check_same_tokens(trainer, tokenizer, data.train)
     trainer.train()
     held_out.close()
     result = {
@@ -137,6 +152,7 @@ def run_trl(spec: WorkerSpec) -> None:
         "seconds": clock.seconds,
         "sampled_tokens": tokens.count,
         "eval_seconds": clock.eval_seconds,
+        "threads": torch.get_num_threads(),
         "rewards": [row["reward"] for row in trainer.state.log_history if "reward" in row],
     }
     (Path(spec.run_dir) / "result.json").write_text(json.dumps(result, indent=2))

@@ -1,4 +1,4 @@
-"""`benchmarks/vs_trl.py --quick`: the vs-TRL harness end to end, all three methods (needs the trl extra)."""
+"""`benchmarks/vs_trl.py --quick`: the vs-TRL harness end to end, all four methods (needs the trl extra)."""
 
 import json
 import subprocess
@@ -24,13 +24,18 @@ def test_quick_runs_every_method_from_one_warm_start(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| TRL GRPOTrainer" in done.stdout and png.stat().st_size > 0
+    assert "goal (FlashREINFORCE >= 1.5x as fast as the strongest TRL method" in done.stdout
 
     report = json.loads(report_path.read_text())
     settings = report["settings"]
     assert set(report["machine"]) >= {"cores", "load_average", "torch_threads", "busy"}
     assert report["machine"]["torch_threads"] == settings["threads"]
     runs = {run["method"]: run for run in report["runs"]}
-    assert set(runs) == {"flashreinforce", "grpo", "trl"}
+    assert set(runs) == {"flashreinforce", "grpo", "trl", "trl-all-cores"}
+    # TRL's two methods differ only in the threads they train with; their held-out evaluation keeps the runs'.
+    assert runs["trl"]["threads"] == settings["threads"] and runs["trl-all-cores"]["threads"] == settings["all_cores"]
+    assert report["strongest_trl"] in {"trl", "trl-all-cores"}
+    assert set(report["ratios"][report["strongest_trl"]]) == {"flashreinforce", "grpo"}
     every = settings["eval_every"]
     for method, run in runs.items():
         assert run["steps"] == settings["steps"], method
