@@ -140,7 +140,7 @@ def seeded(bench: Bench, name: str, overrides: Sequence[str], **options: Any) ->
 
 
 def spread(values: Sequence[float], digits: int = 1, scale: float = 1.0, unit: str = "") -> str:
-    """median [min, max] of the seeds' values ("-" when there are none)."""
+    """median [min, max] of the seeds' values, the unit after the median: "96.7% [95.9, 97.1]" ("-": none)."""
     values = [scale * v for v in values if v == v]
     if not values:
         return "-"
@@ -222,8 +222,8 @@ def wpsm_claim(bench: Bench) -> tuple[list[Run], str]:
             flagged = [r.mean(f"task/{task}/wpsm/flagged_fraction") for r in seeds]
             lines.append(f"| {arm} | {task} | {spread([r.mean(f'task/{task}/entropy_mean', slice(0, 5)) for r in seeds], 3)}"
                          f" | {spread([r.mean(f'task/{task}/entropy_mean', slice(-5, None)) for r in seeds], 3)} | "
-                         f"{spread(flagged, 1, 100, '%')} | {spread([r.held_out(task)[0] for r in seeds])}% | "
-                         f"{spread([r.held_out(task)[1] for r in seeds])}% |")
+                         f"{spread(flagged, 1, 100, '%')} | {spread([r.held_out(task)[0] for r in seeds], unit='%')} | "
+                         f"{spread([r.held_out(task)[1] for r in seeds], unit='%')} |")
     return runs, "\n".join(lines)
 
 
@@ -288,7 +288,7 @@ def ahrl_claim(bench: Bench, quick: bool) -> tuple[list[Run], str]:
             curves = [[row["eval/avg@k"] for row in r.evals] for r in seeds]
             hinted = [r.mean("hints/hinted_fraction") for r in seeds]
             lines.append(f"| {loss} | {arm} | {spread(hinted, 0, 100, '%') if extra else '-'} | "
-                         + " | ".join(f"{spread([c[i] for c in curves])}%" for i in range(len(steps))) + " |")
+                         + " | ".join(spread([c[i] for c in curves], unit="%") for i in range(len(steps))) + " |")
     lines.append(f"\n{num_train} hard training prompts (of {200 if quick else 3000}), {num_eval} hard held-out prompts")
     return runs, "\n".join(lines)
 
@@ -320,7 +320,7 @@ def icepop_claim(bench: Bench) -> tuple[list[Run], str]:
                          f" | {spread([r.mean(f'modality/{m}/entropy_mean', slice(-5, None)) for r in runs], 3)} | "
                          f"{spread([r.mean(f'modality/{m}/masked_fraction') for r in runs], 2, 100, '%')} | "
                          f"{spread([r.mean('loss/clip_fraction') for r in runs], 1, 100, '%')} | "
-                         f"{spread([h[m][0] for h in held])}% | {spread([h[m][1] for h in held])}% |")
+                         f"{spread([h[m][0] for h in held], unit='%')} | {spread([h[m][1] for h in held], unit='%')} |")
     lines.append(f"\nsequence band {band}: the MISC runs' median 1st and 99th percentile of the rows' geometric-mean "
                  "ratio (per step, averaged over the steps)")
     return misc + gspo, "\n".join(lines)
