@@ -33,8 +33,8 @@ def test_a_verifiers_task_runs_through_the_endpoint_and_an_openenv_one_in_the_en
     config = load_config(None, [*VERIFIERS, "data.env.eval={split: test}"])
     assert serves_endpoint(config) and env_specs(config) == {}
     spec = agent_functions(config)[""]
-    assert spec == BuiltinAgent("flashreinforce.envs.verifiers_env:make_agent",
-                                {"env": {"taskset": {"id": "vf_sums"}}, "eval": {"split": "test"}}, "env.kind=verifiers")
+    options = {"env": {"taskset": {"id": "vf_sums"}}, "eval": {"split": "test"}}
+    assert spec == BuiltinAgent("flashreinforce.envs.verifiers_env:make_agent", options, "env.kind=verifiers")
     assert describe_agent(spec) == "env.kind=verifiers" and describe_agent("a.py:run") == "env.agent='a.py:run'"
     monkeypatch.setattr(backends, "EpisodeBackend", lambda *args, **kwargs: kwargs)  # what it would be given
     routes = backends.build_episode_backend(config, None, None, None, max_context=64)["tasks"]
@@ -50,8 +50,9 @@ def test_a_built_in_agent_is_its_factory_called_with_its_options():
 
 def test_a_verifiers_run_without_its_extra_says_which_to_install(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openai" else find_spec(name, *a))
-    with pytest.raises(ValueError, match=r"env.kind=verifiers needs openai: pip install -e '.\[verifiers\]'"):
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("aiohttp", "openai") else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"env.kind=verifiers needs aiohttp and openai: pip install -e '.\[verifiers"):
         check_endpoint(load_config(None, VERIFIERS))
 
 
