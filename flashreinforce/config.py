@@ -1034,9 +1034,9 @@ class RunConfig(_Section):
                                      "set model.path to a chat model, or chat=false for the built-in tiny model")
             task_env = {"tool_multiply": "python_tool", "text_game": "text_game",
                         "visual_grid": "visual_grid"}.get(task.data.kind)
-            if task_env is not None and task.env.kind != task_env:
+            if task_env is not None and task.env.kind not in (task_env, "agent"):  # agent: the user's own plays it
                 raise ValueError(f"{where}data.kind={task.data.kind} is an agent task: set {where}env.kind={task_env} "
-                                 f"(it is {task.env.kind!r})")
+                                 f"or agent, with an agent of your own (it is {task.env.kind!r})")
             if task.data.kind == "visual_grid" and self.model.path is None and self.model.tiny.vision is None:
                 raise ValueError(f"{where}data.kind=visual_grid shows pictures: give the tiny model an encoder "
                                  "(model.tiny.vision={}) or set model.path to a vision-language model")

@@ -196,10 +196,11 @@ class AgentEpisodes:
         episode = self.endpoint.close_episode(live.endpoint.id)
         del self.live[rid]
         self.frozen.discard(rid)
-        self.on_end(*self._ending(live, episode.calls, outcome))
+        self.on_end(*self._ending(live, episode, outcome))
 
-    def _ending(self, live: _Live, calls: Sequence[CallRecord], outcome: AgentOutcome) -> tuple[Generation, str]:
+    def _ending(self, live: _Live, episode: EndpointEpisode, outcome: AgentOutcome) -> tuple[Generation, str]:
         """The episode's row (its last call's segment, the others in EpisodeState.segments) and why it ended."""
+        calls = episode.calls
         value = outcome.value if isinstance(outcome.value, dict) else {"reward": outcome.value}
         failure = outcome.failure
         if failure is None and value.get("reward") is None and self.reward_needed(live.request_id):
@@ -207,7 +208,7 @@ class AgentEpisodes:
         segments, last = stitch(calls)
         state = EpisodeState(seed=live.params.seed or 0, calls=tuple(sorted(calls, key=lambda c: c.index)),
                              rewards=() if value.get("reward") is None else (value["reward"],),
-                             success=value.get("passed"))
+                             success=value.get("passed"), tool_calls=episode.tool_calls)
         if not segments:  # a row of nothing sampled: its group is dropped, never trained
             empty = Generation(request_id=live.request_id, prompt_ids=(self.endpoint.tokenizer.eos_token_id,),
                                token_ids=(), behavior_logprobs=(), policy_versions=(), loss_mask=(),

@@ -169,6 +169,20 @@ class ChatRenderer:
         closing = [] if (turn_ids and turn_ids[-1] in self._drop_ids) or self.close_id is None else [self.close_id]
         return [*closing, *self.separator, *extended[len(base):]]
 
+    def written_turn(self, messages: Sequence[TemplateMessage], answer: TemplateMessage,
+                     tools: list[dict[str, Any]] | None) -> list[int]:
+        """The ids the template writes for the assistant message `answer` after `messages` and the generation
+        prompt, through its end-of-turn token: what a model that answered so would have sampled (a demonstration's
+        turn; tool calls in the template's own format)."""
+        prompt = self.render(messages, tools, generation_prompt=True)
+        whole = self.render([*messages, answer], tools, generation_prompt=False)
+        turn = whole[len(prompt):]
+        if whole[: len(prompt)] != prompt or self.close_id not in turn:
+            raise ValueError("the chat template does not write an assistant message as the continuation of its "
+                             "generation prompt, ended by its end-of-turn token: a demonstration cannot be "
+                             "rendered as sampled tokens with it")
+        return turn[: turn.index(self.close_id) + 1]
+
     def answer(self, turn_ids: Sequence[int], stop_strings: Sequence[str], call_name: str,
                parse_tools: bool) -> tuple[TemplateMessage, str]:
         """The assistant message for a sampled turn, and its finish reason if it stopped (tool_calls or stop).

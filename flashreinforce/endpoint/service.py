@@ -43,6 +43,10 @@ class Call:
     params: SamplingParams
     prefix: Generation | None = None
     """A recorded partial the call continues (a replayed episode's call that a pause caught in flight)."""
+    messages: tuple[TemplateMessage, ...] = ()
+    """A chat call's conversation as the template read it, and its tools: what a runner that answers without a
+    model (a warm start's demonstrations) answers from."""
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 class CallRunner(Protocol):
@@ -76,6 +80,8 @@ class EndpointEpisode:
     replay: list[CallRecord] = field(default_factory=list)
     calls: list[CallRecord] = field(default_factory=list)
     """Calls that returned, in the order they did."""
+    tool_calls: int = 0
+    """Tool calls read back from the model's answers (an agent's tool use, as an environment counts its own)."""
     heads: list[Head] = field(default_factory=list)
     next_index: int = 0
 
@@ -150,12 +156,14 @@ class Endpoint:
         self.renderer.check_tools(tools)
         tools_key = json.dumps(tools, sort_keys=True)
         prompt_ids, head = self._chat_prompt(episode, messages, tools, tools_key)
-        generation, index = await self._run(episode, "chat", prompt_ids, request, request.budget())
+        generation, index = await self._run(episode, "chat", prompt_ids, request, request.budget(),
+                                            (tuple(messages), tuple(tools or ())))
         name = f"{episode.request_id if episode else 'serve'}@{index}"
         answer, reason = self.renderer.answer(generation.token_ids, request.stop_strings(), name, bool(tools))
         if episode is not None:
             self._advance(episode, head, Head(row_of(generation), generation.token_ids, tuple(messages), answer,
                                               tools_key))
+            episode.tool_calls += len(answer.get("tool_calls") or ())
         finish = "length" if generation.finish_reason == "length" else reason
         logprobs = (api.token_logprobs(self.renderer.pieces(generation.token_ids), generation.behavior_logprobs)
                     if request.logprobs else None)
@@ -255,8 +263,9 @@ class Endpoint:
         return replace(base, max_new_tokens=room, stop_strings=stops, seed=call_seed(base, index, request.seed))
 
     async def _run(self, episode: EndpointEpisode | None, api_name: str, prompt_ids: list[int], request: Any,
-                   budget: int | None) -> tuple[Generation, int]:
-        """The call's generation: from the episode's replay, or from the engine; and its index."""
+                   budget: int | None, conversation: tuple[tuple, tuple] = ((), ())) -> tuple[Generation, int]:
+        """The call's generation: from the episode's replay, or from the engine; and its index. `conversation`: a
+        chat call's messages and tools, for the Call."""
         if self.pending >= self.max_pending:
             self.counts["rate_limited"] += 1
             raise APIError(429, f"{self.pending} calls are waiting for the engine; retry later",
@@ -281,7 +290,8 @@ class Endpoint:
         else:
             call = Call(f"{episode.request_id}@{index}" if episode else f"serve-{index}",
                         episode.request_id if episode else None, index, digest, tuple(prompt_ids),
-                        record.generation.params if record else params, record.generation if record else None)
+                        record.generation.params if record else params, record.generation if record else None,
+                        *conversation)
             generation = await self._engine(call)
         if episode is not None:
             episode.calls.append(CallRecord(index, digest, generation))

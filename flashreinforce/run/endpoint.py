@@ -63,12 +63,16 @@ def check_endpoint(config: RunConfig) -> None:
 
 def chat_template(config: RunConfig) -> str | None:
     """endpoint.chat_template as Jinja text: None (the tokenizer's), a name of CHAT_TEMPLATES, or a file."""
-    given = config.endpoint.chat_template
+    return template_text(config.endpoint.chat_template, "endpoint.chat_template")
+
+
+def template_text(given: str | None, setting: str) -> str | None:
+    """A chat template setting as Jinja text (None stays None: the tokenizer's)."""
     if given is None or given in CHAT_TEMPLATES:
         return CHAT_TEMPLATES.get(given)
     path = Path(given)
     if not path.is_file():
-        raise ValueError(f"endpoint.chat_template={given!r} is neither one of {sorted(CHAT_TEMPLATES)} nor a file")
+        raise ValueError(f"{setting}={given!r} is neither one of {sorted(CHAT_TEMPLATES)} nor a file")
     return path.read_text()
 
 

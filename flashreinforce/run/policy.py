@@ -22,6 +22,7 @@ from flashreinforce.models.tokenizer import load_tokenizer
 from flashreinforce.models.causal_lm import check_model_dir
 from flashreinforce.models.vision import IMAGE_TOKEN, build_vision_lm
 from flashreinforce.models.numerics import Numerics
+from flashreinforce.run.agent_demos import agent_examples, agent_template
 from flashreinforce.run.data import Data
 from flashreinforce.run.models import model_path
 from flashreinforce.run.tasks import TASKS, tiny_vision_config
@@ -133,12 +134,22 @@ def tiny_tokenizer(config: RunConfig, kinds: Sequence[str] | None = None) -> Any
 
 
 def warm_start(config: RunConfig, data: Data, policy: Policy, reporter: Reporter) -> None:
-    """SFT on the task's imperfect demonstrations (run/tasks.py); in a mixture, on every task's together."""
+    """SFT on the task's imperfect demonstrations (run/tasks.py); in a mixture, on every task's together. An agent
+    task's are its agent's own episodes, answered by the task's demonstrator (run/agent_demos.py); the model then
+    keeps the chat template they were rendered with."""
     tokenizer = policy.tokenizer
     examples = []
     for name, task in config.task_list():
         train = data.by_task[name][0] if data.by_task else data.train
-        examples += TASKS[task.data.kind].sft_examples(config.for_task(name), tokenizer, train)
+        if task.env.is_agent:
+            started = time.perf_counter()
+            demonstrations = agent_examples(config.for_task(name), tokenizer, train,
+                                            getattr(policy.model.config, "max_position_embeddings", None))
+            reporter.note(f"warm start: {len(demonstrations)} rows of demonstrated agent episodes "
+                          f"in {time.perf_counter() - started:.0f} s")
+            examples += demonstrations
+        else:
+            examples += TASKS[task.data.kind].sft_examples(config.for_task(name), tokenizer, train)
     started = time.perf_counter()
     with reporter.task("SFT warm start", total=config.sft.steps) as advance:
         sft_warm_start(policy.model, examples, steps=config.sft.steps, batch_size=config.sft.batch_size,
@@ -146,3 +157,6 @@ def warm_start(config: RunConfig, data: Data, policy: Policy, reporter: Reporter
                        on_step=lambda step, loss: advance(f"loss {loss:.3f}"),
                        numerics=side_numerics(config, "trainer"))
     reporter.note(f"warm start: {config.sft.steps} SFT steps in {time.perf_counter() - started:.0f} s")
+    template = agent_template(config)
+    if template is not None:
+        tokenizer.chat_template = template

@@ -2,13 +2,15 @@
 
 A task gives train / held-out prompts, the characters and special tokens of the character tokenizer the tiny
 model is built with, and SFT examples: imperfect demonstrations, so RL has something to fix. Agent tasks'
-demonstrations are whole episodes, rendered by the same TurnRenderer as the rollouts (envs/traces.py).
+demonstrations are whole episodes, rendered by the same TurnRenderer as the rollouts (envs/traces.py). A task an
+agent of the user's own can train on (env.kind=agent) may also demonstrate answers to the agent's calls
+(`demonstrate`, run/agent_demos.py).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,10 @@ from flashreinforce.trainer.sft import ImageExample
 from flashreinforce.types import Prompt
 
 Example = tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]
+Demonstrate = Callable[[RunConfig, Prompt, Sequence[dict[str, Any]], Sequence[dict[str, Any]], random.Random],
+                       dict[str, Any]]
+"""(config, the episode's prompt, a call's messages, its tools, the episode's generator) -> the assistant message
+that answers the call."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,8 @@ class Task:
     """Whole-word tokens of the character tokenizer, after <pad> <eos> <unk>."""
     splits: Callable[[RunConfig], tuple[list[Prompt], list[Prompt]]]
     sft_examples: Callable[[RunConfig, Any, list[Prompt]], list[Example]]
+    demonstrate: Demonstrate | None = None
+    """Answers to an agent's calls (env.kind=agent) for its warm start; None: the task has none."""
 
 
 def _arithmetic_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
@@ -73,6 +81,13 @@ def _tool_multiply_examples(config: RunConfig, tokenizer: Any, train: list[Promp
                                          wrong_code_rate=config.sft.wrong_code_rate)
         examples.append(trace_row(renderer, item, "", [(t.action, t.observation) for t in turns], final_eos=True))
     return examples
+
+
+def _tool_multiply_demonstration(config: RunConfig, prompt: Prompt, messages: Sequence[dict[str, Any]],
+                                 tools: Sequence[dict[str, Any]], rng: random.Random) -> dict[str, Any]:
+    """The tool (sft.tool_rate of the episodes, some with wrong code) or a mental answer, as the agent's turns."""
+    return tool_multiply.demonstrate(prompt, messages, tools, rng, tool_rate=config.sft.tool_rate,
+                                     wrong_code_rate=config.sft.wrong_code_rate)
 
 
 def _instructions_splits(config: RunConfig) -> tuple[list[Prompt], list[Prompt]]:
@@ -173,7 +188,7 @@ TASKS: dict[str, Task] = {
     "arithmetic": Task("".join(c for c in arithmetic.ALPHABET if c not in (arithmetic.THINK_OPEN, arithmetic.THINK_CLOSE)),
                        (arithmetic.THINK_OPEN, arithmetic.THINK_CLOSE), _arithmetic_splits, _arithmetic_examples),
     "tool_multiply": Task(tool_multiply.ALPHABET, tool_multiply.SPECIAL_TOKENS, _tool_multiply_splits,
-                          _tool_multiply_examples),
+                          _tool_multiply_examples, _tool_multiply_demonstration),
     "text_game": Task(text_game.TEXT_GAME_ALPHABET, (), _text_game_splits, _text_game_examples),
     "instructions": Task(instructions.ALPHABET, (), _instructions_splits, _instructions_examples),
     "vision": Task(vision_tasks.ALPHABET, (IMAGE_TOKEN,), _vision_splits, _vision_examples),

@@ -1,12 +1,20 @@
 """The tool task's data: plain `a*b=` prompts for the tiny model, chat questions for a chat model (the
-`smollm2_tool` recipe), and warm-start traces whose tool output is a chat `tool` message."""
+`smollm2_tool` recipe), warm-start traces whose tool output is a chat `tool` message, and demonstrated answers to
+an agent's calls (the `smollm2_agent` recipe)."""
 
 import random
 
 import pytest
 
 from flashreinforce.config import load_config
-from flashreinforce.data.tool_multiply import make_tool_multiply_splits, operands, tool_trace
+from flashreinforce.data.tool_multiply import (
+    code_parameter,
+    demonstrate,
+    episode_plan,
+    make_tool_multiply_splits,
+    operands,
+    tool_trace,
+)
 from flashreinforce.run import tasks
 from flashreinforce.types import Prompt
 from flashreinforce.verifiers.registry import build_verifier
@@ -65,3 +73,51 @@ def test_the_smollm2_tool_recipe_scores_only_a_stated_answer():
     assert verify(f"answer: {a * b}", item.ground_truth, item).passed
     verdict = verify(f"<code>print({a * b})</code>", item.ground_truth, item)
     assert (verdict.passed, verdict.reason) == (False, "no_answer")
+
+
+PYTHON_TOOL = {"type": "function", "function": {"name": "python", "parameters": {
+    "type": "object", "properties": {"timeout": {"type": "integer"}, "code": {"type": "string"}},
+    "required": ["code"]}}}
+
+
+def test_a_demonstration_calls_the_tool_that_takes_code_then_answers_what_it_printed():
+    item = make_tool_multiply_splits(1, 1, seed=0)[0][0]
+    a, b = operands(item)
+    question = [{"role": "user", "content": f"What is {a}*{b}?"}]
+    call = demonstrate(item, question, [PYTHON_TOOL], random.Random(0), tool_rate=1.0, wrong_code_rate=0.0)
+    assert call["content"] is None
+    (tool_call,) = call["tool_calls"]
+    assert tool_call["function"] == {"name": "python", "arguments": {"code": f"print({a}*{b})"}}
+    after = [*question, call, {"role": "tool", "tool_call_id": tool_call["id"], "content": f"{a * b}\n"}]
+    answer = demonstrate(item, after, [PYTHON_TOOL], random.Random(0), tool_rate=1.0, wrong_code_rate=0.0)
+    assert answer == {"role": "assistant", "content": f"answer: {a * b}"}
+
+
+def test_demonstrations_follow_the_same_plans_as_the_tool_environments_traces():
+    """The agent's warm start mixes tool calls, wrong code and mental guesses as the built-in tool task's does: the
+    same draws from the same generator."""
+    items = make_tool_multiply_splits(60, 1, seed=2)[0]
+    for k, item in enumerate(items):
+        plan = episode_plan(item, random.Random(k), tool_rate=0.4, wrong_code_rate=0.5)
+        trace = tool_trace(item, random.Random(k), tool_rate=0.4, wrong_code_rate=0.5)
+        message = demonstrate(item, [], [PYTHON_TOOL], random.Random(k), tool_rate=0.4, wrong_code_rate=0.5)
+        assert trace[-1].action == f"answer: {plan.answer}"
+        if plan.code is None:
+            assert len(trace) == 1 and message["content"] == f"answer: {plan.answer}"
+        else:
+            assert trace[0].action == f"<code>{plan.code}</code>"
+            assert message["tool_calls"][0]["function"]["arguments"] == {"code": plan.code}
+    assert {episode_plan(i, random.Random(k), tool_rate=0.4, wrong_code_rate=0.5).code is None
+            for k, i in enumerate(items)} == {True, False}
+
+
+def test_the_code_goes_in_the_first_string_parameter_and_an_agent_without_one_is_told_why():
+    assert code_parameter([PYTHON_TOOL]) == ("python", "code")
+    numbers = {"type": "function", "function": {"name": "multiply", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    assert code_parameter([numbers]) is None and code_parameter([numbers, PYTHON_TOOL]) == ("python", "code")
+    item = make_tool_multiply_splits(1, 1, seed=0)[0][0]
+    with pytest.raises(ValueError, match=r"no tool with a string parameter \(its tools: \['multiply'\]\)"):
+        demonstrate(item, [], [numbers], random.Random(0), tool_rate=1.0, wrong_code_rate=0.0)
+    guess = demonstrate(item, [], [numbers], random.Random(0), tool_rate=0.0, wrong_code_rate=0.0)
+    assert guess["content"].startswith("answer: ")

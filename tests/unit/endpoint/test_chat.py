@@ -93,6 +93,36 @@ def test_a_continued_conversation_is_the_row_and_the_suffix_and_equals_the_direc
     assert [*prompt, *sampled, *suffix] == renderer.render([*history, *new], TOOLS, generation_prompt=True)
 
 
+def test_a_written_turn_is_what_the_template_renders_for_the_message_and_parses_back_to_it(chat_tokenizer):
+    """A demonstration's turn as sampled ids: the template's own rendering of the assistant message after the
+    generation prompt, through its end-of-turn token; the endpoint reads the same tool call back from it."""
+    tok = chat_tokenizer
+    renderer = ChatRenderer(tok, HERMES_TEMPLATE)
+    history = messages({"role": "user", "content": "What is 2+3?"})
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]}
+
+    turn = renderer.written_turn(history, call, TOOLS)
+
+    prompt = renderer.render(history, TOOLS, generation_prompt=True)
+    whole = renderer.render([*history, call], TOOLS, generation_prompt=False)
+    assert [*prompt, *turn] == whole[: len(prompt) + len(turn)] and turn[-1] == renderer.close_id
+    assert turn.count(renderer.close_id) == 1
+    answer, finish = renderer.answer(turn, (), "x", parse_tools=True)
+    assert finish == "tool_calls" and same_answer(call, answer)
+    plain = renderer.written_turn(history, {"role": "assistant", "content": "answer: 5"}, TOOLS)
+    assert tok.decode(plain) == "answer: 5<|im_end|>"
+
+
+def test_a_template_that_does_not_continue_its_generation_prompt_cannot_write_a_turn(chat_tokenizer):
+    odd = ("{%- for m in messages %}{{ m['role'] + ': ' + (m['content'] or '') + '<|im_end|>' }}{%- endfor %}"
+           "{%- if add_generation_prompt %}{{ 'reply now: ' }}{%- endif %}")
+    renderer = ChatRenderer(chat_tokenizer, odd)
+    with pytest.raises(ValueError, match="cannot be rendered as sampled tokens"):
+        renderer.written_turn(messages({"role": "user", "content": "hi"}), {"role": "assistant", "content": "yo"},
+                              None)
+
+
 def test_a_turn_cut_by_its_budget_gets_its_end_of_turn_forced(chat_tokenizer):
     tok = chat_tokenizer
     renderer = ChatRenderer(tok)
