@@ -25,7 +25,20 @@ def test_the_agent_and_its_kind_go_together(overrides, message):
         load_config(None, overrides)
 
 
-def test_the_chat_template_is_the_tokenizers_a_named_one_or_a_file(tmp_path):
+def _extra(monkeypatch, installed: set[str]) -> None:
+    """The endpoint extra's packages as installed (or not) whatever this environment holds: the checks after the
+    extra's are tested in the README's test command too, which installs no extra."""
+    find_spec = importlib.util.find_spec
+
+    def spec(name, *args):
+        if name in ("aiohttp", "openai"):
+            return find_spec("json") if name in installed else None
+        return find_spec(name, *args)
+    monkeypatch.setattr(importlib.util, "find_spec", spec)
+
+
+def test_the_chat_template_is_the_tokenizers_a_named_one_or_a_file(tmp_path, monkeypatch):
+    _extra(monkeypatch, {"aiohttp", "openai"})
     assert chat_template(load_config(None)) is None
     assert chat_template(load_config(None, ["endpoint.chat_template=hermes"])) == HERMES_TEMPLATE
     (tmp_path / "t.jinja").write_text("{{ messages }}")
@@ -35,9 +48,9 @@ def test_the_chat_template_is_the_tokenizers_a_named_one_or_a_file(tmp_path):
 
 
 def test_a_missing_extra_and_another_backend_are_refused_saying_what_to_do(monkeypatch):
+    _extra(monkeypatch, {"aiohttp", "openai"})
     with pytest.raises(ValueError, match="backend.kind=local"):
         check_endpoint(load_config(None, ["env.kind=agent", "env.agent=a.py:run", "backend.kind=ray"]))
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aiohttp" else find_spec(name, *a))
+    _extra(monkeypatch, {"openai"})
     with pytest.raises(ValueError, match=r"env.kind=agent needs aiohttp: pip install -e '.\[endpoint\]'"):
         check_endpoint(load_config(None, ["env.kind=agent", "env.agent=a.py:run"]))
