@@ -28,7 +28,7 @@ from flashreinforce.endpoint.record import stitch
 from flashreinforce.endpoint.service import Call, Endpoint
 from flashreinforce.envs.agents import AgentPool
 from flashreinforce.run.endpoint import chat_template, check_endpoint, model_name
-from flashreinforce.run.tasks import TASKS, Demonstrate, Example
+from flashreinforce.run.tasks import Demonstrate, Example
 from flashreinforce.types import Generation, Prompt, SamplingParams
 
 CONCURRENT_EPISODES = 16
@@ -70,22 +70,16 @@ class Demonstrations:
                           loss_mask=(1,) * len(ids), finish_reason="stop", params=call.params)
 
 
-def agent_examples(config: RunConfig, tokenizer: Any, train: Sequence[Prompt],
+def agent_examples(config: RunConfig, tokenizer: Any, train: Sequence[Prompt], demonstrate: Demonstrate,
                    model_context: int | None) -> list[Example]:
     """SFT rows (prompt ids, completion ids, target mask) of one agent task (config: the task's own): its agent run
-    on the first sft.steps x sft.batch_size train prompts (each drawn about once), answered by the data kind's
-    demonstrator. An episode whose agent fails is left out, counted in the error raised when none ends well."""
-    task = TASKS.get(config.data.kind)
-    if task is None or task.demonstrate is None:
-        kinds = sorted(kind for kind, known in TASKS.items() if known.demonstrate is not None)
-        raise ValueError(f"a warm start of an agent task (env.kind=agent) runs the agent with demonstrated answers, "
-                         f"and data.kind={config.data.kind} has none ({', '.join(kinds)} have); train it without "
-                         "an sft stage, or warm-start the model on your own data first")
+    on the first sft.steps x sft.batch_size train prompts (each drawn about once), answered by `demonstrate`. An
+    episode whose agent fails is left out, counted in the error raised when none ends well."""
     check_endpoint(config)
     room = config.env.max_prompt_tokens  # the context RL gives the agent's calls, else what the model holds
     context = room + config.rollout.max_new_tokens if room is not None else model_context
     prompts = list(train[: config.sft.steps * config.sft.batch_size])
-    rows, failures = asyncio.run(_run_episodes(config, tokenizer, prompts, task.demonstrate, context or 1 << 20))
+    rows, failures = asyncio.run(_run_episodes(config, tokenizer, prompts, demonstrate, context or 1 << 20))
     if not rows:
         reasons = "; ".join(f"{count} x {reason}" for reason, count in failures.most_common(3))
         raise ValueError(f"env.agent={config.env.agent}: no demonstration episode ended well: {reasons}")

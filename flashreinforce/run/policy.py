@@ -135,21 +135,23 @@ def tiny_tokenizer(config: RunConfig, kinds: Sequence[str] | None = None) -> Any
 
 def warm_start(config: RunConfig, data: Data, policy: Policy, reporter: Reporter) -> None:
     """SFT on the task's imperfect demonstrations (run/tasks.py); in a mixture, on every task's together. An agent
-    task's are its agent's own episodes, answered by the task's demonstrator (run/agent_demos.py); the model then
-    keeps the chat template they were rendered with."""
+    task (env.kind=agent) whose data kind demonstrates answers to an agent's calls trains on its agent's own
+    episodes, answered so (run/agent_demos.py), and the model then keeps the chat template they were rendered with;
+    on another kind, on that kind's traces."""
     tokenizer = policy.tokenizer
     examples = []
     for name, task in config.task_list():
         train = data.by_task[name][0] if data.by_task else data.train
-        if task.env.is_agent:
+        kind = TASKS[task.data.kind]
+        if task.env.is_agent and kind.demonstrate is not None:
             started = time.perf_counter()
-            demonstrations = agent_examples(config.for_task(name), tokenizer, train,
+            demonstrations = agent_examples(config.for_task(name), tokenizer, train, kind.demonstrate,
                                             getattr(policy.model.config, "max_position_embeddings", None))
             reporter.note(f"warm start: {len(demonstrations)} rows of demonstrated agent episodes "
                           f"in {time.perf_counter() - started:.0f} s")
             examples += demonstrations
         else:
-            examples += TASKS[task.data.kind].sft_examples(config.for_task(name), tokenizer, train)
+            examples += kind.sft_examples(config.for_task(name), tokenizer, train)
     started = time.perf_counter()
     with reporter.task("SFT warm start", total=config.sft.steps) as advance:
         sft_warm_start(policy.model, examples, steps=config.sft.steps, batch_size=config.sft.batch_size,

@@ -9,8 +9,11 @@ from flashreinforce.data.tool_multiply import operands
 from flashreinforce.endpoint.chat import HERMES_TEMPLATE
 from flashreinforce.run.agent_demos import agent_examples, agent_template
 from flashreinforce.run.data import load_data
+from flashreinforce.run.tasks import TASKS
 
 pytestmark = pytest.mark.endpoint
+
+DEMONSTRATE = TASKS["tool_multiply"].demonstrate
 
 AGENT = '''
 import json
@@ -58,7 +61,7 @@ def test_demonstrated_episodes_are_the_template_rendering_of_the_agents_conversa
     config = agent_config("sft.tool_rate=1")
     train = load_data(config).train
 
-    rows = agent_examples(config, tok, train, 1024)
+    rows = agent_examples(config, tok, train, DEMONSTRATE, 1024)
 
     assert len(rows) == config.sft.steps * config.sft.batch_size  # one episode per prompt, one segment each
     tools = [{"type": "function", "function": {"name": "python", "parameters": {
@@ -80,7 +83,7 @@ def test_demonstrated_episodes_are_the_template_rendering_of_the_agents_conversa
 
 def test_mental_answers_are_one_call_and_the_warmed_model_keeps_the_template(agent_config, chat_tokenizer):
     config = agent_config("sft.tool_rate=0")
-    rows = agent_examples(config, chat_tokenizer, load_data(config).train, 1024)
+    rows = agent_examples(config, chat_tokenizer, load_data(config).train, DEMONSTRATE, 1024)
     assert all(sum(mask) == len(mask) and chat_tokenizer.decode(completion).startswith("answer: ")
                for _, completion, mask in rows)
     assert agent_template(config) == HERMES_TEMPLATE
@@ -91,16 +94,27 @@ def test_an_agent_that_fails_every_episode_stops_the_warm_start_with_its_reason(
                                                                                  tmp_path):
     config = agent_config(f"env.agent={tmp_path / 'broken.py'}:run")
     with pytest.raises(ValueError, match="no demonstration episode ended well: 3 x agent_error: RuntimeError: no luck"):
-        agent_examples(config, chat_tokenizer, load_data(config).train, 1024)
+        agent_examples(config, chat_tokenizer, load_data(config).train, DEMONSTRATE, 1024)
 
 
 def test_a_demonstration_the_policy_could_not_sample_is_refused(agent_config, chat_tokenizer):
     config = agent_config("sft.tool_rate=1", "rollout.max_new_tokens=8")
     with pytest.raises(ValueError, match="over its call's budget of 8"):
-        agent_examples(config, chat_tokenizer, load_data(config).train, 1024)
+        agent_examples(config, chat_tokenizer, load_data(config).train, DEMONSTRATE, 1024)
 
 
-def test_a_task_without_demonstrations_says_so_before_running_anything(chat_tokenizer):
-    config = load_config(None, ["env.kind=agent", "env.agent=missing.py:run"])
-    with pytest.raises(ValueError, match="data.kind=arithmetic has none .tool_multiply have."):
-        agent_examples(config, chat_tokenizer, [], 1024)
+def test_an_agent_task_on_a_kind_without_demonstrations_warm_starts_on_the_kinds_traces(monkeypatch, tiny_run):
+    """The default recipe's arithmetic with an agent: SFT on arithmetic's own worked sums, the agent never run."""
+    from flashreinforce.metrics.console import Reporter
+    from flashreinforce.run import policy as policy_module
+
+    def no_agent(*args, **kwargs):
+        raise AssertionError("the agent ran for a data kind without demonstrations")
+
+    monkeypatch.setattr(policy_module, "agent_examples", no_agent)
+    config = load_config(None, [*tiny_run, "env.kind=agent", "env.agent=missing.py:run", "sft.steps=1",
+                                "sft.batch_size=2"])
+    policy = policy_module.tiny_policy(config)
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    policy_module.warm_start(config, load_data(config), policy, Reporter(enabled=False))
+    assert any(not (before[name] == p).all() for name, p in policy.model.named_parameters())
