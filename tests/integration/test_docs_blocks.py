@@ -237,6 +237,11 @@ TOOL_RUN = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.
             "eval.num_prompts=8", "eval.k=1", "log.progress=false", "verifier.min_workers=1",
             "verifier.max_workers=1", "env.max_workers=1"]
 """The tool_multiply recipe brought down as tests/conftest.py's AGENT_RUN brings down text_game."""
+SMOLLM2_AGENT_RUN = ["stages.0.steps=2", "sft.batch_size=4", "stages.1.steps=2", "scheduler.batch_groups=4",
+                     "trainer.microbatch_size=4", "data.tool_multiply.num_train=40", "data.tool_multiply.num_eval=4",
+                     "eval.num_prompts=4", "log.progress=false", "verifier.min_workers=1", "verifier.max_workers=1",
+                     "env.max_workers=1"]
+"""The smollm2_agent recipe (SmolLM2 itself) brought down to a few steps of a few rows."""
 VLLM_TINY = ["model.tiny.hidden_size=128"]
 """With the vLLM engine: TINY_RUN's hidden 32 / 2 heads is a head size vLLM's CPU attention lacks; the docs'
 vLLM commands set model.tiny.num_heads=2, so 128 gives head size 64, as the default recipe on vLLM has."""
@@ -262,7 +267,8 @@ def with_tiny_overrides(text: str, *, tiny: list[str], agent: list[str], tool: l
                 else:
                     where = token.start() - 1
                 break
-            overrides = {"text_game": agent[1:], "tool_multiply": tool, "vision": vision[1:]}.get(recipe, tiny)
+            overrides = {"text_game": agent[1:], "tool_multiply": tool, "vision": vision[1:],
+                         "smollm2_agent": SMOLLM2_AGENT_RUN}.get(recipe, tiny)
             line_end = text.find("\n", command.end())
             if "rollout.engine=vllm" in text[command.end():None if line_end < 0 else line_end]:
                 overrides = [*overrides, *VLLM_TINY]  # before the block's own num_heads, which then sets head size

@@ -15,8 +15,9 @@ from flashreinforce.run.preflight import resolved_tree, resolved_yaml
 SHIPPED = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 USER_FIELDS = {"own_model": ["model.path=org/name", "data.train=train.jsonl", "data.eval=test.jsonl"]}
 GPU_RECIPES = {"alfworld", "geo3k", "qwen3_tool_ablation", "qwen7b_tool", "qwen_math", "r1"}
-NEED_EXTRAS = {"smollm2", "smollm2_multitask"}
-"""Their data is reasoning-gym's (an extra); their model is converted by `flashreinforce models get`."""
+NEED_EXTRAS = {"smollm2", "smollm2_multitask", "smollm2_agent"}
+"""Their data is reasoning-gym's, or their agent needs the endpoint (extras); their model is converted by
+`flashreinforce models get`."""
 HEAVY = {"ernie", "multitask"}
 """Their checks build every task's data for every stage: seconds, not a fraction of one."""
 
