@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from flashreinforce.lifetime import describe_error, die_with_parent
+from flashreinforce.user_code import import_file
 
 AgentFn = Callable[[Any, dict[str, Any]], Any]
 RESULT_KEYS = ("reward", "answer", "passed")
@@ -66,11 +67,7 @@ def load_agent(reference: str) -> AgentFn:
         path = Path(target).resolve()
         if not path.is_file():
             raise ValueError(f"env.agent={reference!r}: no file {path} (relative to {Path.cwd()})")
-        module_name = f"_flashreinforce_agent_{abs(hash(str(path)))}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+        module = import_file(path, "agent")
     else:
         module = importlib.import_module(target)
     fn = getattr(module, name, None)

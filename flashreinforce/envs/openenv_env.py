@@ -45,6 +45,7 @@ from typing import Any, Protocol
 from flashreinforce.envs.protocol import StepResult
 from flashreinforce.lifetime import describe_exit, die_with_parent
 from flashreinforce.types import Prompt
+from flashreinforce.user_code import import_file
 
 EXTRA_HINT = "pip install -e '.[openenv]'"
 HIDDEN_FIELDS = ("reward", "done", "metadata")
@@ -61,10 +62,7 @@ def import_object(reference: str, setting: str) -> Any:
         raise ValueError(f"{setting}={reference!r}: no file {path} (relative to {Path.cwd()})")
     try:
         if target.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(f"_flashreinforce_openenv_{abs(hash(str(path)))}", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
+            module = import_file(path, "openenv")
         else:
             module = importlib.import_module(target)
     except ImportError as error:

@@ -17,13 +17,13 @@ import difflib
 import importlib
 import importlib.util
 import io
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from flashreinforce.types import IMAGE_TOKEN, Prompt
+from flashreinforce.user_code import import_file
 
 Message = dict[str, str]
 """A chat message, {"role": ..., "content": ...}."""
@@ -114,11 +114,7 @@ def resolve_env_class(spec: EnvSpec) -> type:
         path = (Path(spec.base_dir) / file).resolve()
         if not path.is_file():
             raise ValueError(f"env.kind={spec.kind!r}: no file {path}")
-        module_name = f"flashreinforce_user_env_{abs(hash(str(path)))}"
-        loader_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[module_name] = module
-        loader_spec.loader.exec_module(module)
+        module = import_file(path, "env")
     cls = getattr(module, class_name, None)
     if cls is None:
         raise ValueError(f"env.kind={spec.kind!r}: {module.__name__} has no class {class_name!r}")

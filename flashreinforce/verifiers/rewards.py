@@ -22,13 +22,12 @@ user code in whatever process calls it; verifiers/pool.py is what isolates it.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import inspect
-import sys
 from pathlib import Path
 
+from flashreinforce.user_code import import_file
 from flashreinforce.verifiers.registry import (  # noqa: F401 - RewardFn, to_verdict, ...: this module's API too
     FACTORIES,
     BatchedRewardFn,
@@ -84,22 +83,11 @@ def _is_file(target: str) -> bool:
 def _import_file(ref: str, path: Path) -> object:
     if not path.is_file():
         raise ValueError(f"reward function {ref!r}: file {path} not found (relative to {Path.cwd()}); fix the path")
-    path = path.resolve()
-    # A name unique to the path, so two reward files both called rewards.py do not replace each other.
-    module_name = f"_flashreinforce_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    assert spec is not None and spec.loader is not None, f"no import spec for {path}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # before exec: dataclasses and pickle look the module up by name
     try:
-        spec.loader.exec_module(module)
+        return import_file(path, "reward")
     except Exception as e:
-        del sys.modules[module_name]
-        raise ValueError(f"reward function {ref!r}: importing {path} failed with "
+        raise ValueError(f"reward function {ref!r}: importing {path.resolve()} failed with "
                          f"{type(e).__name__}: {e}; fix the file") from e
-    return module
 
 
 def _import_module(ref: str, name: str) -> object:
