@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flashreinforce"
 
 # Lower rank = lower layer. A module may import its own layer and the layers below it, never above.
 RANK = {
-    "types": 0, "lifetime": 0, "algorithms": 1, "sandbox": 1, "models": 2, "rollout": 3, "data": 4, "envs": 4,
+    "types": 0, "lifetime": 0, "user_code": 0, "algorithms": 1, "sandbox": 1, "models": 2, "rollout": 3, "data": 4, "envs": 4,
     "endpoint": 4, "verifiers": 5, "buffer": 6,
     "trainer": 7, "controller": 8, "eval": 9, "metrics": 9, "config": 9, "run": 10, "cli": 11, "__init__": 11,
     "__main__": 11,
