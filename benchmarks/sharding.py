@@ -92,7 +92,7 @@ def run_group(sharding: str, args: argparse.Namespace, batches: list[list[Trajec
                                 "trainer.lr=1e-4", *([f"trainer.lora={{r: {args.lora}}}"] if args.lora else [])])
     tokenizer = SimpleNamespace(pad_token_id=0)  # all the trainer reads of a tokenizer
     group = TrainerGroup(build_rank_trainer, (config, model, tokenizer), world_size=args.world_size,
-                         backend="gloo", template=model.state_dict(), threads=args.threads,
+                         backend="gloo", threads=args.threads,
                          sharded=sharding == "fsdp")
     try:
         seconds = []
