@@ -18,6 +18,8 @@ An annotation is an HTML comment on the line right before the opening fence (inv
     file NAME       not run: written to NAME for the later blocks of the same page
     tiny            small-model, few-step overrides (tests/conftest.py's TINY_RUN / AGENT_RUN) go into every
                     `flashreinforce train` / `sft` command of the block, small settings into `flashreinforce eval`
+    long WHY        run with the `long` tests only (CI's 45 minutes leave it out): WHY names the CI test that
+                    covers what the block shows
 
 The fast test (default suite) parses every page and fails on a block of an unknown language without an
 annotation, or on an annotation it does not know; the slow tests run the blocks, one test per block.
@@ -137,11 +139,14 @@ def block_problems(block: Block) -> list[str]:
         elif name == "file":
             if not arg or " " in arg or Path(arg).is_absolute() or ".." in Path(arg).parts:
                 problems.append(f"{where}: 'file {arg}' needs one relative file name")
+        elif name == "long":
+            if not arg.strip():
+                problems.append(f"{where}: 'long' must be 'long WHY', naming the CI test that covers the block")
         elif name == "tiny":
             if block.lang not in ("bash", "sh") or not _COMMAND.search(block.text):
                 problems.append(f"{where}: 'tiny' is for a bash block with a flashreinforce train/sft/eval command")
         else:
-            problems.append(f"{where}: unknown docs-test directive {name!r} (skip, needs, file, tiny)")
+            problems.append(f"{where}: unknown docs-test directive {name!r} (skip, needs, file, tiny, long)")
     if "file" in names and len(names) > 1:
         problems.append(f"{where}: a 'file' block is written, not run: no other directive applies to it")
     if "skip" not in names and "file" not in names and block.lang not in RUNNABLE | INERT:
@@ -208,6 +213,17 @@ def test_the_parser_reads_annotations_and_finds_what_is_wrong():
     assert not problems[2] and not problems[6] and not problems[9] and not problems[20] and not problems[28]
     assert "console" in problems[12][0] and "skip REASON" in problems[16][0] and "frobnicate" in problems[24][0]
     assert page_problems == ["example.md:31: the block opened here is never closed"]
+
+
+def test_a_long_block_names_what_covers_it_and_runs_only_with_the_long_tests():
+    page = REPO / "docs" / "example.md"
+    blocks, _ = parse_page(page, "\n".join([
+        "<!-- docs-test: tiny; long test_x.py covers it -->", "```bash", "flashreinforce train", "```",
+        "<!-- docs-test: long -->", "```bash", "true", "```"]))
+    assert not block_problems(blocks[0]) and blocks[0].get("long") == "test_x.py covers it"
+    assert "naming the CI test" in block_problems(blocks[1])[0]
+    marked = {block.id for block in BLOCKS if block.get("long") is not None}
+    assert marked and marked == {param.id for param in LONG_AWARE_PARAMS if any(m.name == "long" for m in param.marks)}
 
 
 def test_tiny_puts_the_overrides_after_the_recipe():
@@ -350,8 +366,12 @@ def run(argv: list[str], block: Block, work: Path) -> None:
 BLOCKS = [block for block in all_blocks() if block.lang not in INERT]
 
 
+LONG_AWARE_PARAMS = [pytest.param(block, marks=[pytest.mark.long] if block.get("long") is not None else [],
+                                   id=block.id) for block in BLOCKS]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
+@pytest.mark.parametrize("block", LONG_AWARE_PARAMS)
 def test_the_block_runs_as_written(block: Block, tmp_path, tiny_run, agent_run, vision_run):
     assert not block_problems(block), block_problems(block)
     skip = block.get("skip")
