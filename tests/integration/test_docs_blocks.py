@@ -437,3 +437,11 @@ def test_links_between_the_pages_resolve():
             elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
                 broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_the_readme_stays_a_front_page():
+    """At most 1,500 words (`wc -w`), and its first 10 lines say what the project is and what has never run."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.split()) <= 1500, f"README.md has {len(text.split())} words: move detail into docs/"
+    opening = "\n".join(text.splitlines()[:10])
+    assert "post-training" in opening and "What has never run" in opening, opening
