@@ -13,6 +13,7 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_trl.py"
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~4 min: out of CI's 45 minutes (bash .ci/vllm long runs it)
 @pytest.mark.vllm
 @pytest.mark.trl
 def test_routes_that_train_and_where_the_others_fail(tmp_path):
