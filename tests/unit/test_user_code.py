@@ -31,5 +31,7 @@ def test_a_file_that_fails_is_not_left_half_imported_and_imports_once_fixed(tmp_
 
 def test_a_dataclass_in_the_file_resolves_its_module_while_it_runs(tmp_path):
     path = tmp_path / "agent.py"
-    path.write_text("from dataclasses import dataclass\n\n@dataclass\nclass Row:\n    x: int\n")
+    # string annotations make dataclass look the class's module up in sys.modules while the file runs
+    path.write_text("from __future__ import annotations\nfrom dataclasses import dataclass\n\n@dataclass\n"
+                    "class Row:\n    x: int\n")
     assert import_file(path, "agent").Row(3).x == 3
