@@ -40,13 +40,6 @@ PARAMS = SamplingParams(max_new_tokens=40, temperature=1.0)
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def session(local_ray):
     """Every test here runs on the module's Ray (tests/conftest.py)."""
 

@@ -33,13 +33,6 @@ LORA = "trainer.lora={r: 4, alpha: 8}"
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def setup(local_ray):
     return Setup(LORA)
 
