@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flashreinforce.models.causal_lm import checkpoint_layers
 from flashreinforce.models.image_tokens import IMAGE_TOKEN, ImagePlaceholders
 
 __all__ = ["SUPPORTED_FAMILIES", "HFVisionLM", "check_family", "image_processor_for", "is_hf_vision_dir",
@@ -326,8 +327,8 @@ class HFVisionLM(nn.Module):
         self._hf.training = mode  # the HF model's own flag (its children follow from super())
         return self
 
-    def activation_checkpointing_enable(self, **kwargs: Any) -> None:
-        self._hf.activation_checkpointing_enable(**kwargs)
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None) -> None:
+        checkpoint_layers(self._hf, activation_checkpointing_kwargs)
 
     def save_pretrained(self, directory: str | Path, **kwargs: Any) -> None:
         """The HF folder (config.json, weights) plus the image processor's preprocessor_config.json; `state_dict`

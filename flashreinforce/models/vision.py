@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from flashreinforce.models.causal_lm import checkpoint_layers
 from flashreinforce.models.image_tokens import IMAGE_TOKEN, ImagePlaceholders, expand_image_placeholders
 
 __all__ = ["IMAGE_TOKEN", "ImagePlaceholders", "VisionConfig", "VisionLM", "build_vision_lm",
@@ -171,8 +172,8 @@ class VisionLM(nn.Module):
         tensor = torch.from_numpy(pixels).permute(0, 3, 1, 2).to(self.device, torch.float32)
         return {"pixel_values": (tensor / 127.5 - 1.0).to(self.dtype)}
 
-    def activation_checkpointing_enable(self, **kwargs: Any) -> None:
-        self.language_model.activation_checkpointing_enable(**kwargs)
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None) -> None:
+        checkpoint_layers(self.language_model, activation_checkpointing_kwargs)
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, **kwargs: Any) -> Any:
         embeds = self.language_model.get_input_embeddings()(input_ids)  # (B, T, H)

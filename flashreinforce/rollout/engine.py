@@ -609,7 +609,7 @@ class Engine:
             **(self.model.image_inputs(images) if images else {}),
         )
         if self._recorder is not None:
-            routes = self._recorder.take().view(len(requests), L, *self._route_shape).numpy()  # (m, L, layers, k)
+            routes = self._recorder.take().view(len(requests), L, *self._route_shape).cpu().numpy()  # (m, L, layers, k)
             for i, r in enumerate(requests):
                 r.routes[: r.length - 1] = routes[i, : r.length - 1]
         for r in requests:
@@ -661,7 +661,7 @@ class Engine:
             use_cache=True,
         )
         if self._recorder is not None:
-            routes = self._recorder.take().numpy()  # (n, layers, k): row j fed position positions_list[j]
+            routes = self._recorder.take().cpu().numpy()  # (n, layers, k): row j fed position positions_list[j]
             for j, r in enumerate(running):
                 r.routes[positions_list[j]] = routes[j]
         return out.logits[:, -1]  # (n, V)

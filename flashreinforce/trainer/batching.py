@@ -54,7 +54,7 @@ class TrainBatch:
 
     def select(self, rows: torch.Tensor) -> TrainBatch:
         """The rows at these indices (a data-parallel rank's share), trimmed like `rows`; all rows: itself."""
-        if rows.numel() == self.num_rows and bool((rows == torch.arange(self.num_rows)).all()):
+        if rows.numel() == self.num_rows and bool((rows == torch.arange(self.num_rows, device=rows.device)).all()):
             return self
         return self._take(rows)
 

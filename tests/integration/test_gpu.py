@@ -1,16 +1,21 @@
 """On a CUDA GPU (skipped elsewhere): the qwen_math recipe, brought down to a small chat model and the embedded
 engine, trains a few steps with the trainer and the engine on the GPU, and the train/inference mismatch on the
-same weights is measured for each precision.
+same weights is measured for each precision; and each of the trainer's and the loop's paths (packed microbatches,
+checkpointing, LoRA, minibatches, GRPO's groups, MoE route replay in bf16, agents, pictures, a distill pipeline)
+runs its tests' tiny recipe with everything on the GPU, where a tensor left on the CPU fails.
 
 Run them where a GPU is: `bash scripts/device_checks.sh` (it writes what each test measured to
 $OUT/gpu_report.jsonl); `python -m pytest -q -m gpu` does the same without the report."""
 
 import json
+import math
 import os
+import time
 
 import pytest
 import torch
 
+from conftest import AGENT_RUN, MIX_RUN, MOE_RUN, TINY_RUN, VISION_AGENT_RUN, VISION_RUN
 from flashreinforce.config import load_config
 from flashreinforce.run.training import run_training
 
@@ -65,3 +70,37 @@ def test_the_qwen_math_recipe_trains_on_the_gpu(math_model, tiny_run, tmp_path, 
     if precision == "fp32" or mode == "unified":
         assert measured["mismatch/same_weights_abs_max"] < SAME_WEIGHTS_FP32, measured
     assert all(torch.isfinite(torch.tensor(m["loss/policy"])) for m in trained)
+
+
+ON_THE_GPU = ["trainer.device=cuda", "rollout.device=cuda"]
+DISTILL = ("stages=[{name: warm, kind: sft, steps: 10}, {name: sums, steps: 2, tasks: {sums: {}}},"
+           " {name: merge, kind: distill, from: warm, steps: 2, teachers: {sums: {stage: sums}, game: {stage: warm}}}]")
+PATHS = {
+    "default": ["arithmetic", *TINY_RUN],
+    "packed": ["arithmetic", *TINY_RUN, "trainer.pack=true"],
+    "checkpointed": ["arithmetic", *TINY_RUN, "trainer.gradient_checkpointing=true"],
+    "lora": ["arithmetic", *TINY_RUN, "trainer.lora={r: 4, target_modules: all-linear}"],
+    "minibatches": ["arithmetic", *TINY_RUN, "trainer.minibatches=2"],
+    "grpo": ["arithmetic_grpo", *TINY_RUN],
+    "lockstep": ["arithmetic", *TINY_RUN, "deterministic=true"],
+    "moe_bf16_unified": ["arithmetic", *MOE_RUN],
+    "text_game": AGENT_RUN,
+    "mixture": ["arithmetic", *MIX_RUN],
+    "vision": VISION_RUN,
+    "visual_grid": VISION_AGENT_RUN,
+    "distill": ["arithmetic", *MIX_RUN, DISTILL],
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_each_path_trains_with_everything_on_the_gpu(path, tmp_path):
+    recipe, *overrides = PATHS[path]
+    config = load_config(recipe, [*overrides, *ON_THE_GPU])
+    started = time.perf_counter()
+    run_training(config, run_dir=tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if any(key.startswith("loss/") for key in row)]
+    report(f"path {path}", {"steps": len(trained), "seconds": round(time.perf_counter() - started, 1)})
+    assert trained, "no optimizer step was logged"
+    assert all(math.isfinite(value) for row in trained for key, value in row.items()
+               if key.startswith("loss/") and isinstance(value, float))

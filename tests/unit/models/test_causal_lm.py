@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from flashreinforce.models import build_model, load_model, resolve_dtype
-from flashreinforce.models.causal_lm import disable_dropout
+from flashreinforce.models.causal_lm import checkpoint_layers, disable_dropout
 
 
 def test_build_model_is_a_seeded_qwen2_that_leaves_the_global_rng_alone():
@@ -83,3 +83,17 @@ def test_disable_dropout_turns_off_dropout_layers_and_attention_dropout():
         with torch.no_grad():
             assert torch.equal(model(ids).logits, model(ids).logits)
         assert model.training
+
+
+def test_layers_are_checkpointed_under_either_name_transformers_gave_the_switch():
+    model = build_model(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, seed=0)
+    checkpoint_layers(model, {"use_reentrant": False})  # this transformers: activation_checkpointing_enable
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    calls = []
+
+    class OlderTransformersModel(torch.nn.Module):  # before 5.24 the switch had only its first name
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            calls.append(gradient_checkpointing_kwargs)
+
+    checkpoint_layers(OlderTransformersModel(), {"use_reentrant": False})
+    assert calls == [{"use_reentrant": False}]
