@@ -1,6 +1,6 @@
 """Where the time goes on a real model (SmolLM2-135M-Instruct), as a fraction of what the cores can do.
 
-Parts (--parts, default all):
+Parts (--parts, default all but threads):
 - matmul:  the machine's matmul throughput (TFLOP/s) in fp32 and bf16 at the model's shapes: a decoding step's
            (--requests rows x hidden x intermediate, and the LM head hidden x vocabulary) and a training
            microbatch's (microbatch x tokens rows). Every other figure is read against these.
@@ -19,6 +19,10 @@ Parts (--parts, default all):
            (--requests rows: the chat prompts, then log-uniform 16-256 sampled tokens each), per precision, in
            interleaved rounds: trainer tokens/s (real tokens of the batch / step seconds, median of --rounds timed
            steps after an untimed one), the share of fed tokens that were padding, and packed / padded.
+- threads: one trainer step on the trainer part's rows, on the main thread and on a worker thread (as the
+           overlapped loop trains), in the order main x3, worker x3, main x2, each precision and torch thread count
+           (--thread-counts) in a fresh process: whether a step is slower on a worker, and whether the main
+           thread's steps pay for it afterwards.
 - recipe:  `flashreinforce train smollm2` for --recipe-steps steps (plus overrides), its metrics.jsonl read back:
            per step, generation (the engine's own step time), verification, training, the weight push and the
            rest (scheduling, data, idle).
@@ -27,6 +31,7 @@ Parts (--parts, default all):
     python benchmarks/real_model.py --parts engine --precisions bf16 --rounds 3
     python benchmarks/real_model.py --parts recipe --recipe-steps 4 precision.trainer=bf16 precision.rollout=bf16
     python benchmarks/real_model.py --parts packing --rounds 3      # packed vs padded trainer steps, fp32 and bf16
+    python benchmarks/real_model.py --parts threads --tokens 77 --prompt-tokens 57   # main vs worker thread
     .venv-vllm/bin/python benchmarks/real_model.py --parts engine --vllm   # vLLM beside (bash scripts/install_vllm_cpu.sh)
     python benchmarks/real_model.py --quick                       # smoke run: a tiny model from config, seconds
 
@@ -44,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -284,19 +290,23 @@ def training_rows(args: argparse.Namespace, vocab: int) -> list:
     return rows
 
 
-def trainer_part(args: argparse.Namespace, model, matmul_rows: list[dict]) -> list[dict]:
+def new_trainer(model, precision: str, microbatch: int, pack: bool = False):
+    """A FlashREINFORCE trainer of a copy of `model` at a small learning rate: steps that keep it near SmolLM2."""
     from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
 
+    return Trainer(copy.deepcopy(model), loss="flashreinforce", loss_options={}, microbatch_size=microbatch,
+                   pad_token_id=0, temperature=1.0, max_new_tokens=256, numerics=Numerics(precision=precision),
+                   pack=pack, optimizer=OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999),
+                                                          warmup_steps=0, total_steps=100, min_lr_ratio=1.0,
+                                                          grad_clip=1.0))
+
+
+def trainer_part(args: argparse.Namespace, model, matmul_rows: list[dict]) -> list[dict]:
     peak = next(r for r in matmul_rows if r["shape"] == "trainer MLP") if matmul_rows else {}
     rows = training_rows(args, model.config.vocab_size)
     results = []
     for precision in args.precisions:
-        trainer = Trainer(copy.deepcopy(model), loss="flashreinforce", loss_options={},
-                          microbatch_size=args.microbatch, pad_token_id=0, temperature=1.0, max_new_tokens=256,
-                          numerics=Numerics(precision=precision),
-                          optimizer=OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999),
-                                                      warmup_steps=0, total_steps=100, min_lr_ratio=1.0,
-                                                      grad_clip=1.0))
+        trainer = new_trainer(model, precision, args.microbatch)
         trainer.step(rows)  # untimed: allocations, oneDNN's kernel choices
         phases = time_trainer_step(trainer, rows)
         tokens = sum(len(r.tokens) for r in rows)
@@ -350,19 +360,11 @@ def long_tailed_rows(args: argparse.Namespace, tokenizer, vocab: int) -> list:
 
 def packing_part(args: argparse.Namespace, model, tokenizer) -> list[dict]:
     """Trainer steps on the long-tailed batch, padded and packed, per precision: each round times one step of each."""
-    from flashreinforce.trainer.trainer import OptimizerSettings, Trainer
-
     rows = long_tailed_rows(args, tokenizer, model.config.vocab_size)
     tokens = sum(len(r.tokens) for r in rows)
     results = []
     for precision in args.precisions:
-        trainers = {pack: Trainer(copy.deepcopy(model), loss="flashreinforce", loss_options={},
-                                  microbatch_size=args.microbatch, pad_token_id=0, temperature=1.0, max_new_tokens=256,
-                                  numerics=Numerics(precision=precision), pack=pack,
-                                  optimizer=OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999),
-                                                              warmup_steps=0, total_steps=100, min_lr_ratio=1.0,
-                                                              grad_clip=1.0))
-                    for pack in (False, True)}
+        trainers = {pack: new_trainer(model, precision, args.microbatch, pack) for pack in (False, True)}
         seconds: dict[bool, list[float]] = {False: [], True: []}
         padding: dict[bool, float] = {}
         for round_ in range(args.rounds + 1):  # round 0 untimed: allocations, oneDNN's kernel choices
@@ -378,6 +380,48 @@ def packing_part(args: argparse.Namespace, model, tokenizer) -> list[dict]:
                             "median step s": statistics.median(seconds[pack]), "tokens/s": rates[pack],
                             "padding fraction": padding[pack], "packed / padded": rates[pack] / rates[False]})
     return results
+
+
+# ---- threads --------------------------------------------------------------------------------------------------
+
+THREAD_ORDER = ("main", "main", "main", "worker", "worker", "worker", "main", "main")
+"""The threads part's steps in order: the main thread's, a worker thread's (the overlapped loop trains in one),
+then the main thread's again, so that a cost the worker leaves behind shows in the last two."""
+
+
+def threads_part(args: argparse.Namespace) -> list[dict]:
+    """For each precision and each --thread-counts, a fresh process of this script steps one trainer in
+    THREAD_ORDER (OpenMP's helper threads, once a thread has started them, stay for the process's life)."""
+    results = []
+    for precision in args.precisions:
+        for threads in args.thread_counts:
+            with tempfile.TemporaryDirectory() as directory:
+                out = Path(directory) / "sequence.json"
+                command = [sys.executable, __file__, "--parts", "thread-sequence", "--precisions", precision,
+                           "--threads", str(threads), "--rows", str(args.rows), "--tokens", str(args.tokens),
+                           "--prompt-tokens", str(args.prompt_tokens), "--microbatch", str(args.microbatch),
+                           "--json", str(out), *(["--quick"] if args.quick else [])]
+                subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+                results += json.loads(out.read_text())["thread-sequence"]
+    return results
+
+
+def thread_sequence_part(args: argparse.Namespace, model) -> list[dict]:
+    """One trainer's steps in THREAD_ORDER, the worker's on one pool thread as asyncio.to_thread runs them."""
+    rows = training_rows(args, model.config.vocab_size)
+    trainer = new_trainer(model, args.precisions[0], args.microbatch)
+    trainer.step(rows)  # untimed: allocations, oneDNN's kernel choices
+
+    def timed_step() -> float:
+        started = time.perf_counter()
+        trainer.step(rows)
+        return time.perf_counter() - started
+
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        seconds = [worker.submit(timed_step).result() if thread == "worker" else timed_step()
+                   for thread in THREAD_ORDER]
+    return [{"precision": args.precisions[0], "torch threads": args.threads, "step": i + 1, "thread": thread,
+             "seconds": s} for i, (thread, s) in enumerate(zip(THREAD_ORDER, seconds))]
 
 
 # ---- recipe ---------------------------------------------------------------------------------------------------
@@ -419,7 +463,8 @@ def markdown(rows: list[dict], digits: int = 2) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="recipe part: dotted overrides of the smollm2 recipe")
-    parser.add_argument("--parts", default="matmul,engine,trainer,packing,recipe")
+    parser.add_argument("--parts", default="matmul,engine,trainer,packing,recipe",
+                        help="comma-separated; threads runs only when named")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--min-new", type=int, default=16)
@@ -435,11 +480,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--microbatch", type=int, default=8)
     parser.add_argument("--recipe-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--thread-counts", default="1,2", help="threads part: torch threads of each process")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--quick", action="store_true", help="smoke run: a tiny model, small workloads, no recipe")
     args = parser.parse_args(argv)
     args.parts = args.parts.split(",")
     args.precisions = args.precisions.split(",")
+    args.thread_counts = [int(n) for n in args.thread_counts.split(",")]
     if args.quick:
         args.requests, args.min_new, args.max_new, args.rounds, args.profile_steps = 8, 4, 16, 1, 2
         args.rows, args.tokens, args.microbatch, args.prompt_tokens = 4, 80, 2, 20
@@ -453,7 +500,7 @@ def main(argv: list[str] | None = None) -> dict:
     machine = Machine.measure()
     print(machine.describe())
     machine.warn_if_busy()
-    model, tokenizer = load(args) if set(args.parts) - {"recipe"} else (None, None)
+    model, tokenizer = load(args) if set(args.parts) - {"recipe", "threads"} else (None, None)
     results: dict = {"machine": machine.as_dict()}
     if "matmul" in args.parts:
         results["matmul"] = matmul_part(args, model)
@@ -471,6 +518,12 @@ def main(argv: list[str] | None = None) -> dict:
         results["packing"] = packing_part(args, model, tokenizer)
         print(f"\ntrainer step, packed vs padded: {args.requests} rows, chat prompts + {args.min_new}-{args.max_new} "
               f"sampled tokens, microbatch {args.microbatch}\n" + markdown(results["packing"]))
+    if "thread-sequence" in args.parts:
+        results["thread-sequence"] = thread_sequence_part(args, model)
+    if "threads" in args.parts:
+        results["threads"] = threads_part(args)
+        print(f"\ntrainer step on the main thread and on a worker, {args.rows} rows x ~{args.tokens} tokens, each "
+              "precision and thread count a fresh process (seconds)\n" + markdown(results["threads"]))
     if "recipe" in args.parts:
         results["recipe"] = recipe_part(args)
         print(f"\nsmollm2 recipe, {args.recipe_steps} steps {' '.join(args.overrides)} (seconds)\n"

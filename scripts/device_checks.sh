@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run: versions and nvidia-smi, the tests marked `gpu` (the qwen_math
 # recipe on a small model with the trainer and the embedded engine on the GPU, per precision, with the measured
-# train/inference mismatch), and the trainer, rollout and device unit tests under that machine's torch and
+# train/inference mismatch; each trainer and loop path's tiny recipe on the GPU), and the trainer, rollout and device unit tests under that machine's torch and
 # transformers. For a machine with the GPU's own Python and no network: `bash scripts/device_wheels.sh` here
 # first, and take .whl/ along; nothing is installed into that Python (the wheels go to /tmp/site, used only
 # where it lacks pydantic).

@@ -42,3 +42,15 @@ def test_quick_run_reports_the_machine_the_engine_the_trainer_and_packing(tmp_pa
         assert packed["packed / padded"] == pytest.approx(packed["tokens/s"] / padded["tokens/s"])
         assert 0 <= packed["padding fraction"] < 1 and 0 <= padded["padding fraction"] < 1
     assert "recipe" not in report  # --quick never starts a real run
+
+
+@pytest.mark.slow
+def test_quick_threads_part_steps_on_the_main_thread_and_a_worker_in_a_fresh_process(tmp_path):
+    out = tmp_path / "threads.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--parts", "threads", "--precisions", "bf16",
+                           "--thread-counts", "1", "--json", str(out)], check=False, timeout=300,
+                          capture_output=True, text=True, cwd=SCRIPT.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = json.loads(out.read_text())["threads"]
+    assert [step["thread"] for step in steps] == ["main"] * 3 + ["worker"] * 3 + ["main"] * 2
+    assert all(step["precision"] == "bf16" and step["torch threads"] == 1 and step["seconds"] > 0 for step in steps)
