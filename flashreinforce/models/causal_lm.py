@@ -153,15 +153,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def checkpoint_layers(model: torch.nn.Module, kwargs: dict | None = None) -> None:
-    """transformers' own activation checkpointing of each decoder layer, with `kwargs` for torch's checkpoint.
-    transformers 5.24 renamed gradient_checkpointing_enable (the old name now warns); earlier 5.x has only it."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 def model_dir_problem(path: Path) -> tuple[Path, str] | None:
     """(file, what is wrong with it) for the first unusable file of a saved model directory, or None.
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashreinforce.models.causal_lm import checkpoint_layers
+from flashreinforce.models.checkpointing import checkpoint_layers
 from flashreinforce.models.image_tokens import IMAGE_TOKEN, ImagePlaceholders
 
 __all__ = ["SUPPORTED_FAMILIES", "HFVisionLM", "check_family", "image_processor_for", "is_hf_vision_dir",

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from flashreinforce.models.causal_lm import checkpoint_layers
+from flashreinforce.models.checkpointing import checkpoint_layers
 from flashreinforce.models.image_tokens import IMAGE_TOKEN, ImagePlaceholders, expand_image_placeholders
 
 __all__ = ["IMAGE_TOKEN", "ImagePlaceholders", "VisionConfig", "VisionLM", "build_vision_lm",

@@ -23,7 +23,8 @@ from flashreinforce.algorithms.dapo import overlong_penalty
 from flashreinforce.algorithms.advantages import single_row_tasks, within_tasks
 from flashreinforce.algorithms.wpsm import QuerySuccess, mean_token_entropy, wpsm_flags, wpsm_weights
 from flashreinforce.models.adapter_push import PROBE_IDS, PROBE_LOGPROBS, probe_logprobs, probe_row
-from flashreinforce.models.causal_lm import checkpoint_layers, disable_dropout
+from flashreinforce.models.causal_lm import disable_dropout
+from flashreinforce.models.checkpointing import checkpoint_layers
 from flashreinforce.models.logprobs import first_marked, first_marked_rows, packed_token_logprobs, token_logprobs
 from flashreinforce.models.moe import RouteRecorder, RouteReplay, route_shape, set_mismatch
 from flashreinforce.models.numerics import Numerics

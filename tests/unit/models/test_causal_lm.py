@@ -3,7 +3,8 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from flashreinforce.models import build_model, load_model, resolve_dtype
-from flashreinforce.models.causal_lm import checkpoint_layers, disable_dropout
+from flashreinforce.models.causal_lm import disable_dropout
+from flashreinforce.models.checkpointing import checkpoint_layers
 
 
 def test_build_model_is_a_seeded_qwen2_that_leaves_the_global_rng_alone():
