@@ -20,9 +20,10 @@ Parts (--parts, default all but threads):
            interleaved rounds: trainer tokens/s (real tokens of the batch / step seconds, median of --rounds timed
            steps after an untimed one), the share of fed tokens that were padding, and packed / padded.
 - threads: one trainer step on the trainer part's rows, on the main thread and on a worker thread (as the
-           overlapped loop trains), in the order main x3, worker x3, main x2, each precision and torch thread count
-           (--thread-counts) in a fresh process: whether a step is slower on a worker, and whether the main
-           thread's steps pay for it afterwards.
+           overlapped loop trains), in the order main x3, worker x3, main x2, then main x2 after the worker
+           thread exited, each precision and torch thread count (--thread-counts) in a fresh process: whether a
+           step is slower on a worker, whether the main thread pays for it afterwards, and whether that ends with
+           the worker; with the process's OS threads after each step.
 - recipe:  `flashreinforce train smollm2` for --recipe-steps steps (plus overrides), its metrics.jsonl read back:
            per step, generation (the engine's own step time), verification, training, the weight push and the
            rest (scheduling, data, idle).
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -384,9 +386,11 @@ def packing_part(args: argparse.Namespace, model, tokenizer) -> list[dict]:
 
 # ---- threads --------------------------------------------------------------------------------------------------
 
-THREAD_ORDER = ("main", "main", "main", "worker", "worker", "worker", "main", "main")
+THREAD_ORDER = ("main", "main", "main", "worker", "worker", "worker", "main", "main", "main, worker gone",
+                "main, worker gone")
 """The threads part's steps in order: the main thread's, a worker thread's (the overlapped loop trains in one),
-then the main thread's again, so that a cost the worker leaves behind shows in the last two."""
+the main thread's again while the worker lives (a cost the worker leaves behind shows here), then after the worker
+thread has exited (a cost that is the worker's OpenMP threads' leaves with them)."""
 
 
 def threads_part(args: argparse.Namespace) -> list[dict]:
@@ -417,11 +421,17 @@ def thread_sequence_part(args: argparse.Namespace, model) -> list[dict]:
         trainer.step(rows)
         return time.perf_counter() - started
 
-    with ThreadPoolExecutor(max_workers=1) as worker:
-        seconds = [worker.submit(timed_step).result() if thread == "worker" else timed_step()
-                   for thread in THREAD_ORDER]
+    seconds, os_threads = [], []
+    worker = ThreadPoolExecutor(max_workers=1)
+    for thread in THREAD_ORDER:
+        if thread == "main, worker gone" and worker is not None:
+            worker.shutdown(wait=True)  # its thread exits, and with it the OpenMP threads it started
+            worker = None
+        seconds.append(worker.submit(timed_step).result() if thread == "worker" else timed_step())
+        os_threads.append(len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1)
     return [{"precision": args.precisions[0], "torch threads": args.threads, "step": i + 1, "thread": thread,
-             "seconds": s} for i, (thread, s) in enumerate(zip(THREAD_ORDER, seconds))]
+             "seconds": s, "process threads after": n}
+            for i, (thread, s, n) in enumerate(zip(THREAD_ORDER, seconds, os_threads))]
 
 
 # ---- recipe ---------------------------------------------------------------------------------------------------

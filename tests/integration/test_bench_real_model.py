@@ -52,5 +52,9 @@ def test_quick_threads_part_steps_on_the_main_thread_and_a_worker_in_a_fresh_pro
                           capture_output=True, text=True, cwd=SCRIPT.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = json.loads(out.read_text())["threads"]
-    assert [step["thread"] for step in steps] == ["main"] * 3 + ["worker"] * 3 + ["main"] * 2
+    assert [step["thread"] for step in steps] == ["main"] * 3 + ["worker"] * 3 + ["main"] * 2 + [
+        "main, worker gone"] * 2
     assert all(step["precision"] == "bf16" and step["torch threads"] == 1 and step["seconds"] > 0 for step in steps)
+    # the pool's thread lives from the first worker step until it is shut down before the last two
+    threads = [step["process threads after"] for step in steps]
+    assert threads[3] == threads[2] + 1 and threads[-1] == threads[2], threads
