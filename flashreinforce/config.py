@@ -746,9 +746,11 @@ class BackendConfig(_Section):
     is treated as hung: the run stops with an error, and `flashreinforce train --resume <run_dir>` continues it."""
     torch_threads: int = Field(1, ge=1)
     """Intra-op torch threads. In the overlapped loop the engine thread and the trainer each run kernels
-    with this many, so one each fills a 2-core machine; more oversubscribes the cores, which costs little on
-    an idle machine but several-fold when other processes compete (measured: an SFT step 0.15 s at 1 thread,
-    2.8 s at 2 threads with other jobs running)."""
+    with this many, so one each fills a 2-core machine; more oversubscribes the cores (the run warns): OpenMP
+    then stops keeping its idle threads awake, which makes a bf16 trainer step ~10-15% slower on an idle
+    machine, and other processes competing make it several-fold (measured: an SFT step 0.15 s at 1 thread,
+    2.8 s at 2 threads with other jobs running). Lockstep (deterministic: true) computes on one thread at a
+    time, so it can take every core."""
     trainer_process: bool = False
     """Overlapped loop: run the trainer in a process of its own (trainer/process.py), so its step does not
     take turns at the GIL with the decoding thread. It costs a few seconds of start-up and the child's own

@@ -39,6 +39,7 @@ from flashreinforce.run.backends import (
     open_backend,
 )
 from flashreinforce.run.data import Data, load_data
+from flashreinforce.run.devices import thread_oversubscription, usable_cores
 from flashreinforce.run.directory import create_run_dir, read_json, write_json_atomic
 from flashreinforce.run.distill import check_teachers, resolve_teachers, teacher_evaluation
 from flashreinforce.run.endpoint import build_agent_parts, start_agent_parts
@@ -83,6 +84,9 @@ def run_stage(config: RunConfig, run_dir: Path | None, resume: bool, reporter: R
     config = resolved
     seed_everything(config.seed)
     torch.set_num_threads(config.backend.torch_threads)
+    oversubscribed = thread_oversubscription(config, usable_cores())
+    if oversubscribed:
+        reporter.warn(oversubscribed)
     summary = asyncio.run(_train(config, run_dir, resume, reporter, stage))
     reporter.summary(summary, plot_run(run_dir))
     return summary

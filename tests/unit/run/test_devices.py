@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashreinforce.config import load_config
-from flashreinforce.run.devices import resolve_device
+from flashreinforce.run.devices import resolve_device, thread_oversubscription
 from flashreinforce.run.learner import build_trainer
 from flashreinforce.run.policy import tiny_policy
 
@@ -48,3 +48,24 @@ def test_the_trainer_and_engine_compute_on_the_gpu(tiny_run):
     shape = EngineShape.of(longest_prompt(config, build_episodes(config, policy.tokenizer), load_data(config)), 16, 0, 0)
     engine = build_engine(config, policy, shape)
     assert next(trainer.model.parameters()).is_cuda and next(engine.model.parameters()).is_cuda
+
+
+@pytest.mark.parametrize(("overrides", "cores", "warned"), [
+    ([], 2, False),                                             # the default: one thread each side fills 2 cores
+    (["backend.torch_threads=2"], 2, True),                     # 2 + 2 on 2 cores
+    (["backend.torch_threads=2"], 4, False),
+    (["backend.torch_threads=2", "deterministic=true"], 2, False),  # lockstep: one side computes at a time
+    (["backend.torch_threads=2", "trainer.world_size=2"], 2, False),  # ranks are processes of their own
+])
+def test_the_overlapped_loop_warns_when_its_two_sides_threads_exceed_the_cores(monkeypatch, overrides, cores, warned):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    message = thread_oversubscription(load_config("arithmetic", overrides), cores)
+    assert (message is not None) == warned
+    if warned:
+        assert "backend.torch_threads=2" in message and "Set backend.torch_threads=1" in message
+        assert "deterministic=true" in message
+
+
+def test_on_a_gpu_the_threads_are_not_the_engine_and_trainer_compute(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert thread_oversubscription(load_config("arithmetic", ["backend.torch_threads=4"]), 2) is None
