@@ -31,9 +31,9 @@ def usable_cores() -> int:
 def thread_oversubscription(config: RunConfig, cores: int) -> str | None:
     """Why the overlapped loop's CPU threads exceed the cores, or None. Its engine thread and its trainer each run
     backend.torch_threads: each thread that runs torch's parallel kernels keeps an OpenMP team of its own. Once a
-    process's OpenMP threads outnumber its cores, libgomp stops spinning its idle threads between kernels (100
-    spins instead of up to milliseconds of them), so every small kernel waits for its helpers to wake (docs/benchmarks.md measures
-    it on a bf16 SmolLM2 trainer step)."""
+    process's OpenMP threads outnumber its cores, libgomp spins its idle threads 100 times between kernels instead
+    of for up to milliseconds, so every small kernel waits for its helpers to wake (docs/benchmarks.md measures it
+    on a bf16 SmolLM2 trainer step)."""
     threads = config.backend.torch_threads
     on_cpu = all(setting == "cpu" or (setting == "auto" and not torch.cuda.is_available())
                  for setting in (config.trainer.device, config.rollout.device))
