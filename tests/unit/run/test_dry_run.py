@@ -18,7 +18,7 @@ GPU_RECIPES = {"alfworld", "geo3k", "qwen3_tool_ablation", "qwen7b_tool", "qwen_
 NEED_EXTRAS = {"smollm2", "smollm2_multitask", "smollm2_agent"}
 """Their data is reasoning-gym's, or their agent needs the endpoint (extras); their model is converted by
 `flashreinforce models get`."""
-HEAVY = {"ernie", "multitask"}
+HEAVY = {"ernie", "ernie_mopd", "multitask"}
 """Their checks build every task's data for every stage: seconds, not a fraction of one."""
 
 
