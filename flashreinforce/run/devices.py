@@ -37,7 +37,9 @@ def thread_oversubscription(config: RunConfig, cores: int) -> str | None:
     threads = config.backend.torch_threads
     on_cpu = all(setting == "cpu" or (setting == "auto" and not torch.cuda.is_available())
                  for setting in (config.trainer.device, config.rollout.device))
-    if config.deterministic or config.backend.kind != "local" or config.trainer.world_size > 1 or not on_cpu:
+    backend = config.backend
+    one_process = backend.kind == "local" and config.trainer.world_size == 1 and not backend.trainer_process
+    if config.deterministic or not one_process or not on_cpu:  # elsewhere each process has an OpenMP of its own
         return None
     if 2 * threads <= cores:
         return None

@@ -56,6 +56,7 @@ def test_the_trainer_and_engine_compute_on_the_gpu(tiny_run):
     (["backend.torch_threads=2"], 4, False),
     (["backend.torch_threads=2", "deterministic=true"], 2, False),  # lockstep: one side computes at a time
     (["backend.torch_threads=2", "trainer.world_size=2"], 2, False),  # ranks are processes of their own
+    (["backend.torch_threads=2", "backend.trainer_process=true"], 2, False),  # so is this trainer
 ])
 def test_the_overlapped_loop_warns_when_its_two_sides_threads_exceed_the_cores(monkeypatch, overrides, cores, warned):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
