@@ -132,22 +132,26 @@ def matmul_part(args: argparse.Namespace, model) -> list[dict]:
 
 # ---- engine ---------------------------------------------------------------------------------------------------
 
-def build_engine(model, precision: str, batch: int) -> Engine:
+def build_engine(model, precision: str, batch: int, fused_decode: bool | None = None) -> Engine:
     numerics = None if precision == "fp32" else Numerics(precision=precision)
     return Engine(copy.deepcopy(model), max_batch_size=batch, max_context=512, eos_token_ids=(), pad_token_id=0,
-                  numerics=numerics)
+                  numerics=numerics, fused_decode=fused_decode)
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], lengths: list[int], tag: str,
-               during: Callable[[int], None] = lambda step: None) -> float:
-    """Useful tokens/s: all requests submitted at once, stepped until done. `during(i)` runs before step i."""
+               during: Callable[[int], None] = lambda step: None, outputs: dict | None = None) -> float:
+    """Useful tokens/s: all requests submitted at once, stepped until done. `during(i)` runs before step i;
+    `outputs` (if given) receives each request's generation by its index."""
     started = time.perf_counter()
     for i, (prompt, length) in enumerate(zip(prompts, lengths)):
         engine.submit(f"{tag}-{i}", prompt, SamplingParams(temperature=1.0, max_new_tokens=length, seed=i))
     tokens, step = 0, 0
     while engine.has_work:
         during(step)
-        tokens += sum(len(g.token_ids) for g in engine.step())
+        finished = engine.step()
+        tokens += sum(len(g.token_ids) for g in finished)
+        if outputs is not None:
+            outputs.update((int(g.request_id.rsplit("-", 1)[1]), g) for g in finished)
         step += 1
     assert tokens == sum(lengths), f"{tokens} tokens sampled, {sum(lengths)} asked for"
     return tokens / (time.perf_counter() - started)
@@ -165,9 +169,12 @@ def run_generate(model, prompts: list[list[int]], lengths: list[int], pad: int) 
     return sum(lengths) / (time.perf_counter() - started)
 
 
-def engine_part(args: argparse.Namespace, model, tokenizer) -> tuple[list[dict], list[dict]]:
+def engine_part(args: argparse.Namespace, model, tokenizer) -> tuple[list[dict], list[dict], list[dict]]:
     prompts, lengths = prompts_and_lengths(args, tokenizer, model.config.vocab_size)
     engines = {p: build_engine(model, p, args.requests) for p in args.precisions}
+    # The model's own forward beside the fused decoding step (rollout/fused_decode.py), where that one runs.
+    unfused = {p: build_engine(model, p, args.requests, fused_decode=False)
+               for p, engine in engines.items() if engine.fused_decode_off is None}
     hf = {p: copy.deepcopy(model).to(DTYPES[p]) for p in args.precisions}
     offline, adapters = start_vllm(args, model) if args.vllm else ({}, {})
     rates: dict[str, list[float]] = {}
@@ -175,6 +182,9 @@ def engine_part(args: argparse.Namespace, model, tokenizer) -> tuple[list[dict],
         for precision in args.precisions:
             rates.setdefault(f"engine {precision}", []).append(
                 run_engine(engines[precision], prompts, lengths, f"r{round_}"))
+            if precision in unfused:
+                rates.setdefault(f"engine, model's forward {precision}", []).append(
+                    run_engine(unfused[precision], prompts, lengths, f"r{round_}"))
             if not args.skip_generate:
                 rates.setdefault(f"generate {precision}", []).append(run_generate(hf[precision], prompts, lengths, 0))
             if args.vllm:
@@ -184,8 +194,25 @@ def engine_part(args: argparse.Namespace, model, tokenizer) -> tuple[list[dict],
                     run_vllm_offline(offline[precision], prompts, lengths))
     throughput = [{"method": name, "best tok/s": max(r), "median tok/s": statistics.median(r)}
                   for name, r in rates.items()]
+    agreement = [fused_agreement(engines[p], unfused[p], p, prompts, lengths) for p in unfused]
     splits = [decode_split(engines[p], p, prompts, lengths, args.profile_steps) for p in args.precisions]
-    return throughput, splits
+    splits += [decode_split(unfused[p], f"{p}, model's forward", prompts, lengths, args.profile_steps) for p in unfused]
+    return throughput, splits, agreement
+
+
+def fused_agreement(fused: Engine, unfused: Engine, precision: str, prompts, lengths) -> dict:
+    """The fused decoding step against the model's forward on the same seeded requests: requests whose tokens
+    all agree, and the largest log-prob gap over the tokens before each request's first disagreement."""
+    runs: list[dict] = [{}, {}]
+    for engine, outputs in zip((fused, unfused), runs):
+        run_engine(engine, prompts, lengths, "agree", outputs=outputs)
+    same, gap = 0, 0.0
+    for i, a in runs[0].items():
+        b = runs[1][i]
+        same += a.token_ids == b.token_ids
+        agreed = next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        gap = max([gap, *(abs(x - y) for x, y in zip(a.behavior_logprobs[:agreed], b.behavior_logprobs[:agreed]))])
+    return {"precision": precision, "requests": len(runs[0]), "same tokens": same, "max log-prob gap": gap}
 
 
 def start_vllm(args: argparse.Namespace, model) -> tuple[dict, dict]:
@@ -275,7 +302,13 @@ def _adding_time(function: Callable, seconds: dict[str, float], key: str) -> Cal
 # ---- trainer --------------------------------------------------------------------------------------------------
 
 def training_rows(args: argparse.Namespace, vocab: int) -> list:
-    from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
+    from flashreinforce.types import (
+        FORCED_VERSION,
+        Prompt,
+        RolloutKey,
+        Trajectory,
+        Verdict,
+    )
 
     g = torch.Generator().manual_seed(1)
     rows = []
@@ -343,7 +376,13 @@ def time_trainer_step(trainer, rows) -> dict:
 def long_tailed_rows(args: argparse.Namespace, tokenizer, vocab: int) -> list:
     """The engine part's workload as one learner batch: each chat prompt, then its log-uniform number of sampled
     tokens (random ids), half the rows rewarded."""
-    from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
+    from flashreinforce.types import (
+        FORCED_VERSION,
+        Prompt,
+        RolloutKey,
+        Trajectory,
+        Verdict,
+    )
 
     prompts, lengths = prompts_and_lengths(args, tokenizer, vocab)
     g = torch.Generator().manual_seed(2)
@@ -516,9 +555,11 @@ def main(argv: list[str] | None = None) -> dict:
         results["matmul"] = matmul_part(args, model)
         print("\nmatmul TFLOP/s\n" + markdown(results["matmul"], 3))
     if "engine" in args.parts:
-        results["engine"], results["decode_split"] = engine_part(args, model, tokenizer)
+        results["engine"], results["decode_split"], results["fused_agreement"] = engine_part(args, model, tokenizer)
         print(f"\nengine: {args.requests} requests, {args.min_new}-{args.max_new} new tokens\n"
               + markdown(results["engine"], 0))
+        print("\nfused decoding step against the model's forward, the same seeded requests\n"
+              + markdown(results["fused_agreement"], 8))
         print("\ndecode step, ms\n" + markdown(results["decode_split"], 1))
     if "trainer" in args.parts:
         results["trainer"] = trainer_part(args, model, results.get("matmul", []))

@@ -469,6 +469,11 @@ class RolloutConfig(_Section):
     importance ratio corrects the rest. False: every push pauses all requests and re-reads their prefixes
     under the new weights (slower: every in-flight prefix is recomputed each step). Checkpoint and
     evaluation steps always pause; april always aborts at a push (that is its method)."""
+    fused_decode: Literal["auto", "on", "off"] = "auto"
+    """rollout.engine=local on a CPU: decoding steps of Llama, Mistral and Qwen2 models run their norms, rotary
+    embeddings and activations as fused kernels built once with the system's C compiler (the same tokens and
+    log-probs, docs/components.md#fused-decoding-steps). auto: where the model allows and the build succeeds, else the model's own
+    forward; on: an error says why it cannot; off: the model's own forward."""
     vllm: VllmConfig = VllmConfig()
     """Options of rollout.engine=vllm (docs/vllm.md)."""
 

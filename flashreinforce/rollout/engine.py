@@ -35,10 +35,31 @@ from flashreinforce.models.adapter_push import is_adapter_push, read_push
 from flashreinforce.models.families import attention_windows, engine_attention
 from flashreinforce.models.moe import RouteRecorder, route_shape, routing_problem
 from flashreinforce.models.numerics import Numerics, format_tensor, fp8_parameter_names
-from flashreinforce.rollout.adapters import PROBE_FLOOR, AdapterBase, ProbeResult, PushProbe
+from flashreinforce.rollout.adapters import (
+    PROBE_FLOOR,
+    AdapterBase,
+    ProbeResult,
+    PushProbe,
+)
+from flashreinforce.rollout.fused_decode import (
+    FusedDecoder,
+    KernelsUnavailable,
+    unsupported,
+)
 from flashreinforce.rollout.kv_cache import SlotCache
-from flashreinforce.rollout.sampling import counter_uniforms, processed_logprobs, sample, stream_key
-from flashreinforce.types import FORCED_VERSION, FinishReason, Generation, Routes, SamplingParams
+from flashreinforce.rollout.sampling import (
+    counter_uniforms,
+    processed_logprobs,
+    sample,
+    stream_key,
+)
+from flashreinforce.types import (
+    FORCED_VERSION,
+    FinishReason,
+    Generation,
+    Routes,
+    SamplingParams,
+)
 
 
 def kv_cache_keyword(model: PreTrainedModel) -> str:
@@ -187,6 +208,7 @@ class Engine:
         split_min_saving: int = 4096,
         numerics: Numerics | None = None,
         probe_tolerance: float | None = PROBE_FLOOR,
+        fused_decode: bool | None = None,
     ):
         """`model` becomes the engine's own (set to eval mode, weights replaced by load_weights).
 
@@ -199,6 +221,9 @@ class Engine:
         attention at least this many row-positions of KV reads (see length_split).
         `probe_tolerance`: how far the engine's probe log-probs may be from the trainer's after a LoRA adapter push
         (rollout/adapters.py); None takes it from the base push's gap (bf16 or fp8 on either side).
+        `fused_decode` (rollout/fused_decode.py): decoding steps with the small operations fused, the same
+        log-probs. None: where it serves the model and its kernels build, else the model's own forward (the
+        reason in `fused_decode_off`); True: required (an error says why not); False: off.
         """
         config = model.config
         self._vocab_size = config.vocab_size
@@ -257,6 +282,23 @@ class Engine:
         self._stats = EngineStats()
         self._adapter_base = AdapterBase()
         self.probe = PushProbe(probe_tolerance)
+        self._fused, self.fused_decode_off = self._fused_decoder(fused_decode)
+
+    def _fused_decoder(self, wanted: bool | None) -> tuple[FusedDecoder | None, str | None]:
+        """The fused decoding step, or None and why not."""
+        if wanted is False:
+            return None, "fused_decode=False"
+        reason = unsupported(self.model)
+        if reason is None and (self._windows.window is not None or self._rope or self._recorder is not None):
+            reason = "sliding windows, M-RoPE positions and MoE routes take the model's own forward"
+        if reason is None:
+            try:
+                return FusedDecoder(self.model, self.max_batch_size), None
+            except KernelsUnavailable as error:
+                reason = str(error)
+        if wanted:
+            raise ValueError(f"fused_decode=True: {reason}")
+        return None, reason
 
     # ----------------------------------------------------------------------------------------------
     # Public API
@@ -653,8 +695,11 @@ class Engine:
         self._cache.plan_decode(positions, kv_length, slots, window_start)
         if self._rope:  # (the KV slot stays the token's index; only the rotary position moves)
             positions = positions + torch.tensor([r.rope_offset for r in running], device=self._device)
+        input_ids = torch.tensor([r.next_input() for r in running], device=self._device)  # (n,)
+        if self._fused is not None:
+            return self._fused(input_ids, positions, mask, self._cache)
         out = self.model(
-            input_ids=torch.tensor([r.next_input() for r in running], device=self._device)[:, None],  # (n, 1)
+            input_ids=input_ids[:, None],  # (n, 1)
             attention_mask=mask,  # (n, 1, 1, L), sliding layers' from window_start on
             position_ids=positions[:, None],  # (n, 1)
             **{self._cache_kwarg: self._cache},

@@ -84,7 +84,8 @@ def build_local_engine(config: RunConfig, policy: Policy, shape: EngineShape) ->
     return Engine(model, max_batch_size=config.rollout.max_batch_size,
                   max_context=shape.context, eos_token_ids=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, version=shape.version, seed=shape.seed,
-                  numerics=side_numerics(config, "rollout"), probe_tolerance=adapter_probe_tolerance(config))
+                  numerics=side_numerics(config, "rollout"), probe_tolerance=adapter_probe_tolerance(config),
+                  fused_decode={"auto": None, "on": True, "off": False}[config.rollout.fused_decode])
 
 
 def adapter_probe_tolerance(config: RunConfig) -> float | None:

@@ -1,7 +1,8 @@
 """benchmarks/real_model.py: a --quick run (a tiny Llama from config) end to end, checked through its JSON.
 
 Timings on a tiny model say nothing about SmolLM2; what is asserted holds by construction: every part and row is
-there, the parts of a step add up to the step, and the engine sampled every token asked for (run_engine checks).
+there, the parts of a step add up to the step, the engine sampled every token asked for (run_engine checks), and
+the fused decoding step sampled the model forward's tokens.
 """
 
 import json
@@ -25,8 +26,14 @@ def test_quick_run_reports_the_machine_the_engine_the_trainer_and_packing(tmp_pa
                                                            "trainer LM head"}
     assert all(row["fp32"] > 0 and row["bf16"] > 0 for row in report["matmul"])
     methods = {row["method"]: row for row in report["engine"]}
-    assert set(methods) == {"engine fp32", "generate fp32", "engine bf16", "generate bf16"}
+    assert set(methods) == {f"{method} {precision}" for precision in ("fp32", "bf16")
+                            for method in ("engine", "engine, model's forward", "generate")}
     assert all(row["best tok/s"] >= row["median tok/s"] > 0 for row in methods.values())
+    agreement = {row["precision"]: row for row in report["fused_agreement"]}  # the tiny Llama is fused
+    assert agreement["bf16"]["same tokens"] == agreement["bf16"]["requests"] == 8
+    assert agreement["bf16"]["max log-prob gap"] == 0.0
+    assert agreement["fp32"]["same tokens"] == 8 and agreement["fp32"]["max log-prob gap"] <= 1e-5
+    assert len(report["decode_split"]) == 4
     for split in report["decode_split"]:
         parts = ("matmul", "attention", "other model ops", "sampling", "bookkeeping")
         assert sum(split[p] for p in parts) == pytest.approx(split["ms/step"], rel=1e-6), split
