@@ -64,7 +64,7 @@ from flashreinforce.types import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise")
 ATTENTION_OPS = ("scaled_dot_product",)
 
 

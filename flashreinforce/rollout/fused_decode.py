@@ -3,12 +3,12 @@
 A decoding step feeds one token a row. At a few dozen rows its matrix products are small, and a model's own
 forward spends a large share of a bf16 step on a few hundred tiny framework kernels (norms, rotary embeddings,
 activations, residual adds), each costing its dispatch rather than its arithmetic. This path runs the same
-decoder layers with the model's own weights, the same matrix products and the same attention call, and does each
-layer's small operations in three C functions (decode_kernels.c): residual add with RMSNorm, rotary embedding,
-SiLU gate. q, k, v (and gate, up) are multiplied as one stacked weight each, which the model's parameters view,
-so a weight push copying into the parameters needs nothing more. The functions round where the model's code
-rounds, and the norm adds its squares in the order this torch's sum kernel does (`sum_lanes`), so in bf16 the
-step's logits are the model's own bit for bit (tests/unit/rollout/test_fused_decode.py).
+decoder layers with the model's own weights and the same attention call, does each layer's small operations in
+three C functions (decode_kernels.c: residual add with RMSNorm, rotary embedding, SiLU gate), and its matrix
+products on weights packed for small batches (`_Linears`: q, k, v as one product, gate and up as another). The
+functions round where the model's code rounds, and the norm adds its squares in the order this torch's sum
+kernel does (`sum_lanes`), so in bf16 the step's logits are the model's own bit for bit; in fp32 the packed
+products add in another order (tests/unit/rollout/test_fused_decode.py).
 
 The C file is compiled at first use with the system's C compiler (`cc`, or $CC) into
 $FLASHREINFORCE_CACHE/kernels (else ~/.cache/flashreinforce/kernels), keyed by the source, flags and CPU. Without
@@ -147,10 +147,15 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
-def _linear_packer() -> Callable[[torch.Tensor, int], torch.Tensor] | None:
-    """oneDNN's weight reorder for a matrix product at a given batch size, where this torch has it."""
+def _linear_packer(dtype: torch.dtype) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+    """oneDNN's weight reorder for a matrix product at a given batch size, where this torch and CPU have it for
+    `dtype` (else None: plain products)."""
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    return reorder if torch.backends.mkldnn.is_available() and reorder is not None else None
+    if not torch.backends.mkldnn.is_available() or reorder is None:
+        return None
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return reorder
 
 
 class _Linears:
@@ -161,7 +166,7 @@ class _Linears:
     decoder repacks."""
 
     def __init__(self, model: nn.Module, rows: int):
-        self._model, self._rows, self._reorder = model, rows, _linear_packer()
+        self._model, self._rows, self._reorder = model, rows, _linear_packer(model.dtype)
         self._parameters = [p for layer in model.model.layers for p in _projection_parameters(layer)]
         self._parameters.append(model.lm_head.weight)
         self.pack()
