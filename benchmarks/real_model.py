@@ -302,13 +302,7 @@ def _adding_time(function: Callable, seconds: dict[str, float], key: str) -> Cal
 # ---- trainer --------------------------------------------------------------------------------------------------
 
 def training_rows(args: argparse.Namespace, vocab: int) -> list:
-    from flashreinforce.types import (
-        FORCED_VERSION,
-        Prompt,
-        RolloutKey,
-        Trajectory,
-        Verdict,
-    )
+    from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
 
     g = torch.Generator().manual_seed(1)
     rows = []
@@ -376,13 +370,7 @@ def time_trainer_step(trainer, rows) -> dict:
 def long_tailed_rows(args: argparse.Namespace, tokenizer, vocab: int) -> list:
     """The engine part's workload as one learner batch: each chat prompt, then its log-uniform number of sampled
     tokens (random ids), half the rows rewarded."""
-    from flashreinforce.types import (
-        FORCED_VERSION,
-        Prompt,
-        RolloutKey,
-        Trajectory,
-        Verdict,
-    )
+    from flashreinforce.types import FORCED_VERSION, Prompt, RolloutKey, Trajectory, Verdict
 
     prompts, lengths = prompts_and_lengths(args, tokenizer, vocab)
     g = torch.Generator().manual_seed(2)

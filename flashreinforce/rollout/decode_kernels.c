@@ -3,8 +3,8 @@
  * Built at first use by rollout/fused_decode.py with the system's C compiler (no Python or torch headers) and
  * called through ctypes on contiguous CPU tensors. Every function rounds where the model's own code rounds:
  * a bf16 model computes each framework operation in fp32 and stores bf16, so each intermediate a framework
- * operation would store is rounded to bf16 here too (`store`), which keeps the result the model's own to the
- * last bit in nearly every element (reductions and exp may differ from the framework's in the last fp32 bit).
+ * operation would store is rounded to bf16 here too (`store`), and the norm's sum adds in torch's own order
+ * (`torch_sum`). Only exp differs from the framework's, in the last fp32 bit, which bf16 rounding hides.
  *
  * dtype: 0 = float32, 1 = bfloat16.
  */
@@ -127,7 +127,8 @@ INLINE void add_rms_norm_body(int dtype, const void *x, void *residual, const vo
         }
         for (int64_t i = 0; i < dim; i++) squares[i] = scratch[i] * scratch[i];
         float inv = 1.0f / sqrtf(torch_sum(squares, dim, lanes) / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) put(dtype, out, base + i, load(dtype, weight, i) * store(dtype, scratch[i] * inv));
+        for (int64_t i = 0; i < dim; i++)
+            put(dtype, out, base + i, load(dtype, weight, i) * store(dtype, scratch[i] * inv));
     }
 }
 

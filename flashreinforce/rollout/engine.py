@@ -35,31 +35,11 @@ from flashreinforce.models.adapter_push import is_adapter_push, read_push
 from flashreinforce.models.families import attention_windows, engine_attention
 from flashreinforce.models.moe import RouteRecorder, route_shape, routing_problem
 from flashreinforce.models.numerics import Numerics, format_tensor, fp8_parameter_names
-from flashreinforce.rollout.adapters import (
-    PROBE_FLOOR,
-    AdapterBase,
-    ProbeResult,
-    PushProbe,
-)
-from flashreinforce.rollout.fused_decode import (
-    FusedDecoder,
-    KernelsUnavailable,
-    unsupported,
-)
+from flashreinforce.rollout.adapters import PROBE_FLOOR, AdapterBase, ProbeResult, PushProbe
+from flashreinforce.rollout.fused_decode import FusedDecoder, KernelsUnavailable, unsupported
 from flashreinforce.rollout.kv_cache import SlotCache
-from flashreinforce.rollout.sampling import (
-    counter_uniforms,
-    processed_logprobs,
-    sample,
-    stream_key,
-)
-from flashreinforce.types import (
-    FORCED_VERSION,
-    FinishReason,
-    Generation,
-    Routes,
-    SamplingParams,
-)
+from flashreinforce.rollout.sampling import counter_uniforms, processed_logprobs, sample, stream_key
+from flashreinforce.types import FORCED_VERSION, FinishReason, Generation, Routes, SamplingParams
 
 
 def kv_cache_keyword(model: PreTrainedModel) -> str:

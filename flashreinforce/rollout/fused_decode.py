@@ -79,7 +79,8 @@ def _cpu_identity() -> bytes:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.processor().encode() + platform.machine().encode()
-    return "".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags")).encode()
+    wanted = (next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
+    return "".join(wanted).encode()
 
 
 @cache
@@ -106,7 +107,8 @@ def sum_lanes(size: int) -> int:
     sum bit for bit on sums whose rounding depends on the order; 0 when no width the kernels know matches."""
     library = kernels()
     generator = torch.Generator().manual_seed(0)
-    probes = [torch.randn(size, generator=generator) * torch.logspace(-3, 3, size)[torch.randperm(size, generator=generator)]
+    scales = torch.logspace(-3, 3, size)  # magnitudes spread wide, so that each order rounds its own way
+    probes = [torch.randn(size, generator=generator) * scales[torch.randperm(size, generator=generator)]
               for _ in range(8)]
     for lanes in (16, 8, 4, 1):
         if all(library.ordered_sum(p.data_ptr(), size, lanes) == p.sum().item() for p in probes):
@@ -160,19 +162,19 @@ def _linear_packer(dtype: torch.dtype) -> Callable[[torch.Tensor, int], torch.Te
 
 class _Linears:
     """The decoding step's matrix products over weights packed once for it: q, k, v stacked into one product and
-    gate, up into another, each weight reordered by oneDNN for small batches (on this machine 1.7-3.7x faster than
-    an unpacked product at 8 rows; in bf16 the same bits). Packed copies go stale when a push or a cast changes the
-    model's parameters: `current` notices (each parameter's storage and in-place version counter), and the
-    decoder repacks."""
+    gate, up into another, each weight reordered by oneDNN for small batches (1.7-3.7x faster than an unpacked
+    product at 8 rows on a 2-core AVX-512 CPU; in bf16 the same bits). Packed copies go stale when a push or a
+    cast changes the model's parameters: `current` notices, and the decoder repacks."""
 
     def __init__(self, model: nn.Module, rows: int):
         self._model, self._rows, self._reorder = model, rows, _linear_packer(model.dtype)
-        self._parameters = [p for layer in model.model.layers for p in _projection_parameters(layer)]
-        self._parameters.append(model.lm_head.weight)
         self.pack()
 
     def _signature(self) -> list[tuple[int, int]]:
-        return [(p.data_ptr(), p._version) for p in self._parameters]
+        """Each packed parameter's storage and version counter (torch bumps it at every in-place write), read
+        through the modules so that a parameter replaced whole is seen too."""
+        parameters = [p for layer in self._model.model.layers for p in _projection_parameters(layer)]
+        return [(p.data_ptr(), p._version) for p in (*parameters, self._model.lm_head.weight)]
 
     def current(self) -> bool:
         return self._signature() == self._packed_at

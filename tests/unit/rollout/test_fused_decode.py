@@ -33,8 +33,8 @@ def built_kernels():
         pytest.skip(f"the fused decoding kernels cannot be built here: {error}")
 
 
-def served_model(name: str, dtype: torch.dtype = torch.float32) -> tf.PreTrainedModel:
-    return tiny_family_model(name.split("-")[0], **SERVED[name]).to(dtype)
+def served_model(name: str) -> tf.PreTrainedModel:
+    return tiny_family_model(name.split("-")[0], **SERVED[name])
 
 
 def run(model, fused: bool, numerics: Numerics | None = None, push: dict | None = None) -> dict:
