@@ -88,9 +88,13 @@ def kernels() -> ctypes.CDLL:
     """The compiled kernels, built on first use; KernelsUnavailable says why not."""
     digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_identity()).hexdigest()[:16]
     target = _cache_dir() / f"decode_kernels-{digest}.so"
-    if not target.exists():
-        _build(_SOURCE, target)
-    library = ctypes.CDLL(str(target))
+    try:
+        if not target.exists():
+            _build(_SOURCE, target)
+        library = ctypes.CDLL(str(target))
+    except OSError as error:  # an unwritable cache directory, a library the loader refuses
+        raise KernelsUnavailable(f"the kernels could not be built or loaded at {target} ({error}): set "
+                                 "$FLASHREINFORCE_CACHE to a writable directory") from error
     i64, ptr, f32, code = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     library.add_rms_norm.argtypes = [code, ptr, ptr, ptr, ptr, i64, i64, f32, i64, ptr]
     library.ordered_sum.argtypes, library.ordered_sum.restype = [ptr, i64, i64], f32

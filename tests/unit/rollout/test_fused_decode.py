@@ -157,3 +157,15 @@ def test_without_a_compiler_the_engine_falls_back_naming_what_to_install(monkeyp
             Engine(served_model("llama"), max_batch_size=2, max_context=32, fused_decode=True)
     finally:
         fused_decode.kernels.cache_clear()
+
+
+def test_an_unwritable_cache_directory_falls_back_naming_the_setting(monkeypatch, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("FLASHREINFORCE_CACHE", str(blocked))  # kernels/ cannot be made under a file
+    fused_decode.kernels.cache_clear()
+    try:
+        engine = Engine(served_model("llama"), max_batch_size=2, max_context=32)
+        assert "FLASHREINFORCE_CACHE" in engine.fused_decode_off
+    finally:
+        fused_decode.kernels.cache_clear()
