@@ -168,32 +168,49 @@ void silu_mul(int dtype, const void *gate_up, void *out, int64_t rows, int64_t w
     else silu_mul_body(0, gate_up, out, rows, width);
 }
 
-INLINE void rotary_body(int dtype, const void *x, int64_t row_stride, const void *cos, const void *sin, void *out,
-                        int64_t rows, int64_t heads, int64_t dim) {
+/* out = x * cos + rotate_half(x) * sin over one head of `dim` values, rotate_half(x) = (-x[half:], x[:half]). */
+INLINE void rotate_head(int dtype, const void *x, int64_t in, const void *cos, const void *sin, int64_t angles,
+                        void *out, int64_t base, int64_t dim) {
     int64_t half = dim / 2;
+    for (int64_t d = 0; d < half; d++) {  /* rotate_half puts -x[half:] first */
+        float v = store(dtype, load(dtype, x, in + d) * load(dtype, cos, angles + d)) +
+                  store(dtype, -load(dtype, x, in + half + d) * load(dtype, sin, angles + d));
+        put(dtype, out, base + d, v);
+    }
+    for (int64_t d = half; d < dim; d++) {  /* then x[:half] */
+        float v = store(dtype, load(dtype, x, in + d) * load(dtype, cos, angles + d)) +
+                  store(dtype, load(dtype, x, in + d - half) * load(dtype, sin, angles + d));
+        put(dtype, out, base + d, v);
+    }
+}
+
+INLINE void attention_inputs_body(int dtype, const void *qkv, const void *cos, const void *sin, void *query,
+                                  void *keys, void *values, const int64_t *slots, const int64_t *positions,
+                                  int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t capacity) {
+    int64_t row_stride = (heads + 2 * kv_heads) * dim, bytes = dtype ? 2 : 4;
     for (int64_t r = 0; r < rows; r++) {
-        int64_t angles = r * dim;
-        for (int64_t h = 0; h < heads; h++) {
-            int64_t in = r * row_stride + h * dim, base = (r * heads + h) * dim;
-            for (int64_t d = 0; d < half; d++) {  /* rotate_half puts -x[half:] first */
-                float v = store(dtype, load(dtype, x, in + d) * load(dtype, cos, angles + d)) +
-                          store(dtype, -load(dtype, x, in + half + d) * load(dtype, sin, angles + d));
-                put(dtype, out, base + d, v);
-            }
-            for (int64_t d = half; d < dim; d++) {  /* then x[:half] */
-                float v = store(dtype, load(dtype, x, in + d) * load(dtype, cos, angles + d)) +
-                          store(dtype, load(dtype, x, in + d - half) * load(dtype, sin, angles + d));
-                put(dtype, out, base + d, v);
-            }
+        int64_t in = r * row_stride, angles = r * dim;
+        for (int64_t h = 0; h < heads; h++)
+            rotate_head(dtype, qkv, in + h * dim, cos, sin, angles, query, (r * heads + h) * dim, dim);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t at = ((slots[r] * kv_heads + h) * capacity + positions[r]) * dim;
+            rotate_head(dtype, qkv, in + (heads + h) * dim, cos, sin, angles, keys, at, dim);
+            memcpy((char *)values + at * bytes, (const char *)qkv + (in + (heads + kv_heads + h) * dim) * bytes,
+                   dim * bytes);
         }
     }
 }
 
-/* Rotary embedding of `heads` heads of each row of x (row r's first head at x + r * row_stride) by cos and
- * sin (rows, dim), into out (rows, heads, dim), rotating halves:
- * out = x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x[half:], x[:half]). */
-void rotary(int dtype, const void *x, int64_t row_stride, const void *cos, const void *sin, void *out, int64_t rows,
-            int64_t heads, int64_t dim) {
-    if (dtype) rotary_body(1, x, row_stride, cos, sin, out, rows, heads, dim);
-    else rotary_body(0, x, row_stride, cos, sin, out, rows, heads, dim);
+/* A decoding step's attention inputs from the fused q, k, v product qkv (rows, (heads + 2 * kv_heads) * dim):
+ * the rotary-embedded queries into query (rows, heads, dim), and each row's rotary-embedded key and its value
+ * into the KV stores keys and values (slots, kv_heads, capacity, dim) at the row's slot and position. */
+void attention_inputs(int dtype, const void *qkv, const void *cos, const void *sin, void *query, void *keys,
+                      void *values, const int64_t *slots, const int64_t *positions, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t dim, int64_t capacity) {
+    if (dtype)
+        attention_inputs_body(1, qkv, cos, sin, query, keys, values, slots, positions, rows, heads, kv_heads, dim,
+                              capacity);
+    else
+        attention_inputs_body(0, qkv, cos, sin, query, keys, values, slots, positions, rows, heads, kv_heads, dim,
+                              capacity);
 }

@@ -4,9 +4,9 @@ A decoding step feeds one token a row. At a few dozen rows its matrix products a
 forward spends a large share of a bf16 step on a few hundred tiny framework kernels (norms, rotary embeddings,
 activations, residual adds), each costing its dispatch rather than its arithmetic. This path runs the same
 decoder layers with the model's own weights and the same attention call, does each layer's small operations in
-three C functions (decode_kernels.c: residual add with RMSNorm, rotary embedding, SiLU gate), and its matrix
-products on weights packed for small batches (`_Linears`: q, k, v as one product, gate and up as another). The
-functions round where the model's code rounds, and the norm adds its squares in the order this torch's sum
+three C functions (decode_kernels.c: residual add with RMSNorm; rotary embedding with the KV cache write; SiLU
+gate), and its matrix products on weights packed for small batches (`_Linears`: q, k, v as one product, gate and
+up as another). The functions round where the model's code rounds, and the norm adds its squares in the order this torch's sum
 kernel does (`sum_lanes`), so in bf16 the step's logits are the model's own bit for bit; in fp32 the packed
 products add in another order (tests/unit/rollout/test_fused_decode.py).
 
@@ -99,8 +99,8 @@ def kernels() -> ctypes.CDLL:
     library.add_rms_norm.argtypes = [code, ptr, ptr, ptr, ptr, i64, i64, f32, i64, ptr]
     library.ordered_sum.argtypes, library.ordered_sum.restype = [ptr, i64, i64], f32
     library.silu_mul.argtypes = [code, ptr, ptr, i64, i64]
-    library.rotary.argtypes = [code, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
-    for function in (library.add_rms_norm, library.silu_mul, library.rotary):
+    library.attention_inputs.argtypes = [code, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    for function in (library.add_rms_norm, library.silu_mul, library.attention_inputs):
         function.restype = None
     return library
 
@@ -241,11 +241,16 @@ class FusedDecoder:
         hidden = self._inner.embed_tokens(input_ids)  # (n, hidden)
         cos, sin = self._inner.rotary_emb(hidden, positions[:, None])  # (n, 1, head_dim) each
         cos, sin = cos.contiguous(), sin.contiguous()
+        slots, kv_positions = (t.to(torch.int64).contiguous() for t in cache.decode_rows())  # read by C
+        # The C function writes there unchecked: a position or slot past the stores would overwrite memory.
+        if int(kv_positions.max()) >= cache.max_context or int(slots.max()) >= cache.num_slots:
+            raise IndexError(f"decoding step past the KV stores ({cache.num_slots} slots x {cache.max_context})")
+        rows = (slots, kv_positions, mask)
         residual = hidden
         layers = self._inner.layers
         normed = self._norm(layers[0].input_layernorm, hidden, None)
         for index, (layer, packed) in enumerate(zip(layers, self._linear.layers)):
-            update = self._attention(layer.self_attn, packed, normed, cos, sin, mask, cache, index)
+            update = self._attention(layer.self_attn, packed, normed, cos, sin, rows, cache, index)
             normed = self._norm(layer.post_attention_layernorm, update, residual)
             update = self._linear(self._silu_mul(self._linear(normed, packed["gate_up"])), packed["down"])
             following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self._inner.norm
@@ -269,26 +274,20 @@ class FusedDecoder:
         self._kernels.silu_mul(self._code, gate_up.data_ptr(), out.data_ptr(), n, width)
         return out
 
-    def _rotary(self, qkv: torch.Tensor, first: int, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Heads first..first+heads of each row of qkv (n, all heads * head_dim) rotated: (n, heads, 1, head_dim)."""
-        n, dim = qkv.shape[0], self._head_dim
-        out = qkv.new_empty(n, heads, 1, dim)
-        start = qkv.data_ptr() + first * dim * qkv.element_size()
-        self._kernels.rotary(self._code, start, qkv.shape[1], cos.data_ptr(), sin.data_ptr(), out.data_ptr(), n,
-                             heads, dim)
-        return out
-
     def _attention(self, attention: nn.Module, packed: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor, cache: SlotCache, index: int) -> torch.Tensor:
+                   rows: tuple[torch.Tensor, ...], cache: SlotCache, index: int) -> torch.Tensor:
+        """rows: each row's KV slot and position, and the step's mask."""
         n, dim = x.shape[0], self._head_dim
+        slots, positions, mask = rows
         qkv = self._linear(x, packed["qkv"])  # (n, (heads + 2 * kv_heads) * head_dim)
-        query = self._rotary(qkv, 0, self._heads, cos, sin)
-        key = self._rotary(qkv, self._heads, self._kv_heads, cos, sin)
-        value = qkv[:, (self._heads + self._kv_heads) * dim :].reshape(n, self._kv_heads, 1, dim)
-        keys, values = cache.update(key, value, index)
-        groups = self._heads // self._kv_heads
+        like = qkv.new_empty(1, self._kv_heads, 1, dim)
+        keys, values = cache.layer(index, like, like)
+        query = qkv.new_empty(n, self._kv_heads, self._heads // self._kv_heads, dim)
+        self._kernels.attention_inputs(self._code, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.data_ptr(),
+                                       keys.data_ptr(), values.data_ptr(), slots.data_ptr(), positions.data_ptr(), n,
+                                       self._heads, self._kv_heads, dim, keys.shape[2])
+        keys, values = cache.decode_read(index)
         # As the model's sdpa attention runs one query token with a mask: the query heads sharing a KV head
-        # become that head's rows, so keys and values are read once, not repeated.
-        out = F.scaled_dot_product_attention(query.view(n, self._kv_heads, groups, dim), keys, values,
-                                             attn_mask=mask, scale=attention.scaling)
+        # become that head's rows (query is laid out so), so keys and values are read once, not repeated.
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attention.scaling)
         return self._linear(out.reshape(n, self._heads * dim), packed["o"])

@@ -43,25 +43,40 @@ class SlotCache(Cache):
         """Next forward feeds positions 0..length-1 of slots first_slot..first_slot+num_rows-1 (fresh requests)."""
         self._plan = ("prefill", first_slot, num_rows, length)
 
+    def layer(self, layer_idx: int, key_like: torch.Tensor, value_like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The layer's (S, H_kv, T, D) key and value stores, allocated like these states (B, H_kv, q, D)."""
+        if layer_idx not in self._keys:
+            S, T = self.num_slots, self.max_context
+            self._keys[layer_idx] = key_like.new_zeros(S, key_like.shape[1], T, key_like.shape[3])
+            self._values[layer_idx] = value_like.new_zeros(S, value_like.shape[1], T, value_like.shape[3])
+        return self._keys[layer_idx], self._values[layer_idx]
+
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The planned decoding step's (slots, positions), each (n,): where row j's new key and value go."""
+        _, positions, slots, *_ = self._plan
+        return slots, positions
+
+    def decode_read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the planned decoding step's attention reads in this layer, once its keys and values are stored."""
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        _, positions, slots, kv_length, compact, window_start = self._plan
+        start = window_start if layer_idx in self.sliding_layers else 0
+        if compact:
+            n = len(slots)
+            return keys[:n, :, start:kv_length], values[:n, :, start:kv_length]
+        read = slice(start, kv_length)
+        return keys[:, :, read].index_select(0, slots), values[:, :, read].index_select(0, slots)
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this forward's keys/values (B, H_kv, q, D) and return what attention should read."""
-        if layer_idx not in self._keys:
-            S, T = self.num_slots, self.max_context
-            self._keys[layer_idx] = key_states.new_zeros(S, key_states.shape[1], T, key_states.shape[3])
-            self._values[layer_idx] = value_states.new_zeros(S, value_states.shape[1], T, value_states.shape[3])
-        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        keys, values = self.layer(layer_idx, key_states, value_states)
         if self._plan[0] == "decode":
-            _, positions, slots, kv_length, compact, window_start = self._plan
+            slots, positions = self.decode_rows()
             keys[slots, :, positions] = key_states[:, :, 0]  # (n, H_kv, D) into each slot at its own position
             values[slots, :, positions] = value_states[:, :, 0]
-            start = window_start if layer_idx in self.sliding_layers else 0
-            if compact:
-                n = len(slots)
-                return keys[:n, :, start:kv_length], values[:n, :, start:kv_length]
-            read = slice(start, kv_length)
-            return keys[:, :, read].index_select(0, slots), values[:, :, read].index_select(0, slots)
+            return self.decode_read(layer_idx)
         _, first, num_rows, length = self._plan
         keys[first : first + num_rows, :, :length] = key_states
         values[first : first + num_rows, :, :length] = value_states
