@@ -1,14 +1,14 @@
 """The engine's decoding step for Llama-shaped models with the small operations fused.
 
-A decoding step feeds one token a row. At a few dozen rows its matrix products are small, and a model's own
-forward spends a large share of a bf16 step on a few hundred tiny framework kernels (norms, rotary embeddings,
-activations, residual adds), each costing its dispatch rather than its arithmetic. This path runs the same
-decoder layers with the model's own weights and the same attention call, does each layer's small operations in
-three C functions (decode_kernels.c: residual add with RMSNorm; rotary embedding with the KV cache write; SiLU
-gate), and its matrix products on weights packed for small batches (`_Linears`: q, k, v as one product, gate and
-up as another). The functions round where the model's code rounds, and the norm adds its squares in the order this torch's sum
-kernel does (`sum_lanes`), so in bf16 the step's logits are the model's own bit for bit; in fp32 the packed
-products add in another order (tests/unit/rollout/test_fused_decode.py).
+A decoding step feeds one token a row. At a few dozen rows its matrix products are small, and a model's own forward
+spends a large share of a bf16 step on a few hundred tiny framework kernels (norms, rotary embeddings, activations,
+residual adds), each costing its dispatch rather than its arithmetic. This path runs the same decoder layers with
+the model's own weights and the same attention call, does each layer's small operations in three C functions
+(decode_kernels.c: residual add with RMSNorm; rotary embedding with the KV cache write; SiLU gate), and its matrix
+products on weights packed for small batches (`_Linears`: q, k, v as one product, gate and up as another). The
+functions round where the model's code rounds, and the norm adds its squares in the order this torch's sum kernel
+does (`sum_lanes`), so in bf16 the step's logits are the model's own bit for bit; in fp32 the packed products add in
+another order (tests/unit/rollout/test_fused_decode.py).
 
 The C file is compiled at first use with the system's C compiler (`cc`, or $CC) into
 $FLASHREINFORCE_CACHE/kernels (else ~/.cache/flashreinforce/kernels), keyed by the source, flags and CPU. Without
