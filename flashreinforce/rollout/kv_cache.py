@@ -59,7 +59,7 @@ class SlotCache(Cache):
     def decode_read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What the planned decoding step's attention reads in this layer, once its keys and values are stored."""
         keys, values = self._keys[layer_idx], self._values[layer_idx]
-        _, positions, slots, kv_length, compact, window_start = self._plan
+        _, _, slots, kv_length, compact, window_start = self._plan
         start = window_start if layer_idx in self.sliding_layers else 0
         if compact:
             n = len(slots)
