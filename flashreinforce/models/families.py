@@ -125,6 +125,11 @@ _MASKED_EQUIVALENT: dict[str, str | None] = {
 }
 
 
+def head_dim(config: Any) -> int:
+    """The width of one attention head: the config's head_dim where it sets one, else hidden_size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def engine_attention(model: nn.Module, config: Any) -> str:
     """The attention implementation the engine runs `model` with: sdpa or eager, switched to from a flash,
     flex or paged implementation (the same attention without the engine's masks). Anything else is refused

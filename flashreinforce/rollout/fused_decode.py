@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from flashreinforce.models.families import head_dim
 from flashreinforce.rollout.kv_cache import SlotCache
 
 _SOURCE = Path(__file__).with_name("decode_kernels.c")
@@ -145,11 +146,10 @@ def unsupported(model: nn.Module) -> str | None:
     layer = inner.layers[0]
     if type(layer.self_attn.q_proj) is not nn.Linear or type(layer.mlp.gate_proj) is not nn.Linear:
         return f"projections are {type(layer.self_attn.q_proj).__name__}, not plain Linear layers"
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     with torch.no_grad():
         cos, _ = inner.rotary_emb(torch.zeros(1, 1, dtype=model.dtype), torch.zeros(1, 1, dtype=torch.long))
-    if cos.shape[-1] != head_dim:
-        return f"rotary embeddings over {cos.shape[-1]} of the head's {head_dim} dimensions"
+    if cos.shape[-1] != head_dim(config):
+        return f"rotary embeddings over {cos.shape[-1]} of the head's {head_dim(config)} dimensions"
     return None
 
 
@@ -227,7 +227,7 @@ class FusedDecoder:
         self._code = _DTYPE_CODES[model.dtype]
         config = model.config
         self._heads, self._kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self._head_dim = head_dim(config)
         self._scratch = torch.empty(2 * config.hidden_size, dtype=torch.float32)
         # With no width matching, norms may differ from the model's in the last bit now and then.
         self._lanes = sum_lanes(config.hidden_size) or 16

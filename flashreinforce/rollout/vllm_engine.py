@@ -87,6 +87,7 @@ from flashreinforce.models.adapter_push import (
     probe_row,
     read_push,
 )
+from flashreinforce.models.families import head_dim
 from flashreinforce.models.image_tokens import expand_image_placeholders
 from flashreinforce.rollout.adapters import PROBE_FLOOR, AdapterBase, ProbeResult, PushProbe, WeightPushError
 from flashreinforce.rollout.engine import EngineStats
@@ -161,10 +162,9 @@ def unsupported_head_size(model: PreTrainedModel) -> str | None:
         return None
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = head_dim(model.config)
     supported = CPUAttentionBackend.get_supported_head_sizes()
-    return None if head_dim in supported else f"head size {head_dim} is not one of vLLM's CPU sizes {supported}"
+    return None if size in supported else f"head size {size} is not one of vLLM's CPU sizes {supported}"
 
 
 def vllm_device() -> str:
