@@ -154,6 +154,7 @@ def push_rows(args: argparse.Namespace, rank: int) -> list[dict]:
 
     model, _ = load(args)
     engines = {push: Engine(copy.deepcopy(model), max_batch_size=1, max_context=64) for push in ("merged", "adapter")}
+    args = copy.copy(args)  # a copy: the report's settings keep the steps part's --r, not the last push rank
     args.r = rank
     trainer = build(args, "lora", model)
     rows = batch(args, model.config.vocab_size)

@@ -1,19 +1,19 @@
 """The `multitask` recipe against each of its tasks trained alone: does training them together cost any task?
 
-Runs the shipped `multitask` recipe (arithmetic reasoning, the tool_multiply agent and instruction following in
-one run), then each task alone: the same recipe with only that task in `tasks:`, starting from the mixture's warm start
-(its SFT checkpoint, so "before" is the same model on the same held-out prompts), with the same batch, learning
-rate and evaluation. What "the same budget" means is --budget:
+Runs the shipped `multitask` recipe (arithmetic reasoning, the tool_multiply agent, instruction following and a
+picture task in one run), then each task alone: the same recipe with only that task in `tasks:`, starting from the
+mixture's warm start (its SFT checkpoint, so "before" is the same model on the same held-out prompts), with the
+same batch, learning rate and evaluation. What "the same budget" means is --budget:
 - rows (default): an alone run trains as many prompts of its task as the mixture did, steps x the task's share
-  of the weights (sums 150 steps, tool 75, follow 75 beside the mixture's 300): the same exposure, so the
-  difference is what sharing the model with the other tasks did;
+  of the weights (sums 120 steps; tool, follow and most 60 each; beside the mixture's 300): the same exposure,
+  so the difference is what sharing the model with the other tasks did;
 - steps: as many optimizer steps as the mixture, so an alone run sees 2-4x more of its task.
 
 Every run prints its usual console line and writes its run directory under OUT; the table at the end gives each
 task's held-out accuracy (its own held-out set, verifier and sampling, `eval.k` samples per prompt) before RL
 (after the warm start) and after, in the mixture and alone, and each run's wall time.
 
-    python benchmarks/multitask.py                         # the recipe and its three tasks alone (~20-25 min)
+    python benchmarks/multitask.py                         # the recipe and its four tasks alone (~20-25 min)
     python benchmarks/multitask.py --only mixture          # the recipe alone (~6-9 min on 2 cores)
     python benchmarks/multitask.py --quick                 # a smoke run with tiny settings (about a minute)
     flashreinforce bench multitask --json bench-out/multitask.json
