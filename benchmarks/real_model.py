@@ -58,6 +58,7 @@ import torch
 from machine import Machine
 from torch.profiler import ProfilerActivity, profile
 
+from flashreinforce.models import token_logprobs
 from flashreinforce.models.numerics import Numerics
 from flashreinforce.rollout import Engine
 from flashreinforce.types import SamplingParams
@@ -194,15 +195,17 @@ def engine_part(args: argparse.Namespace, model, tokenizer) -> tuple[list[dict],
                     run_vllm_offline(offline[precision], prompts, lengths))
     throughput = [{"method": name, "best tok/s": max(r), "median tok/s": statistics.median(r)}
                   for name, r in rates.items()]
-    agreement = [fused_agreement(engines[p], unfused[p], p, prompts, lengths) for p in unfused]
+    agreement = [fused_agreement(engines[p], unfused[p], p, prompts, lengths, hf[p]) for p in unfused]
     splits = [decode_split(engines[p], p, prompts, lengths, args.profile_steps) for p in args.precisions]
     splits += [decode_split(unfused[p], f"{p}, model's forward", prompts, lengths, args.profile_steps) for p in unfused]
     return throughput, splits, agreement
 
 
-def fused_agreement(fused: Engine, unfused: Engine, precision: str, prompts, lengths) -> dict:
+def fused_agreement(fused: Engine, unfused: Engine, precision: str, prompts, lengths, model) -> dict:
     """The fused decoding step against the model's forward on the same seeded requests: requests whose tokens
-    all agree, and the largest log-prob gap over the tokens before each request's first disagreement."""
+    all agree, the largest log-prob gap over the tokens before each request's first disagreement, and each
+    engine's gap to the trainer's recompute (`model`, in the engine's precision, over each whole sequence: what
+    the policy gate compares), mean and largest over every sampled token."""
     runs: list[dict] = [{}, {}]
     for engine, outputs in zip((fused, unfused), runs):
         run_engine(engine, prompts, lengths, "agree", outputs=outputs)
@@ -212,7 +215,21 @@ def fused_agreement(fused: Engine, unfused: Engine, precision: str, prompts, len
         same += a.token_ids == b.token_ids
         agreed = next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
         gap = max([gap, *(abs(x - y) for x, y in zip(a.behavior_logprobs[:agreed], b.behavior_logprobs[:agreed]))])
-    return {"precision": precision, "requests": len(runs[0]), "same tokens": same, "max log-prob gap": gap}
+    fused_gaps, unfused_gaps = (recompute_gaps(model, run.values()) for run in runs)
+    return {"precision": precision, "requests": len(runs[0]), "same tokens": same, "max log-prob gap": gap,
+            "fused vs recompute, mean": fused_gaps.mean().item(), "fused vs recompute, max": fused_gaps.max().item(),
+            "model's forward vs recompute, mean": unfused_gaps.mean().item(),
+            "model's forward vs recompute, max": unfused_gaps.max().item()}
+
+
+def recompute_gaps(model, generations) -> torch.Tensor:
+    """|behavior log-prob - the model's full-sequence log-prob| of every sampled token, one sequence at a time."""
+    gaps = []
+    with torch.no_grad():
+        for g in generations:
+            recomputed, _ = token_logprobs(model, torch.tensor([g.prompt_ids + g.token_ids]), with_entropy=False)
+            gaps.append((recomputed[0, len(g.prompt_ids):].double() - torch.tensor(g.behavior_logprobs).double()).abs())
+    return torch.cat(gaps)
 
 
 def start_vllm(args: argparse.Namespace, model) -> tuple[dict, dict]:

@@ -614,8 +614,25 @@ class Engine:
 
     def _prefill(self, first: int, requests: list[_Request]) -> None:
         """Write the KV of all but the last known token of each request; the decode step feeds that one."""
-        L = max(r.length - 1 for r in requests)
         rows = [[*r.prompt_ids, *r.tokens][:-1] for r in requests]
+        if self._fused is not None and not any(r.images for r in requests):
+            self._fused_prefill(first, rows)
+        else:
+            self._model_prefill(first, requests, rows)
+        for r in requests:
+            r.kv_len = r.length - 1
+
+    def _fused_prefill(self, first: int, rows: list[list[int]]) -> None:
+        """The rows' tokens one after another, unpadded, through the fused step's layers (no logits)."""
+        device = self._device
+        input_ids = torch.tensor([token for row in rows for token in row], device=device)
+        positions = torch.cat([torch.arange(len(row), device=device) for row in rows])
+        slots = torch.cat([torch.full((len(row),), first + i, device=device) for i, row in enumerate(rows)])
+        self._fused.prefill(input_ids, positions, slots, self._cache)
+
+    def _model_prefill(self, first: int, requests: list[_Request], rows: list[list[int]]) -> None:
+        """One padded batch through the model's own forward."""
+        L = max(len(row) for row in rows)
         input_ids = torch.tensor([row + [self.pad_token_id] * (L - len(row)) for row in rows], device=self._device)
         # Right padding under a causal mask: real tokens never see the padding after them.
         masks = self._masks(torch.arange(L, device=self._device)[None], kv_start=0, kv_length=L)  # one row's
@@ -634,8 +651,6 @@ class Engine:
             routes = self._recorder.take().view(len(requests), L, *self._route_shape).cpu().numpy()  # (m, L, layers, k)
             for i, r in enumerate(requests):
                 r.routes[: r.length - 1] = routes[i, : r.length - 1]
-        for r in requests:
-            r.kv_len = r.length - 1
 
     def _prefill_positions(self, requests: list[_Request], input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """(m, L) positions 0..L-1; for an M-RoPE model (3, m, L) from the model, and each request's rope_offset."""
@@ -652,7 +667,8 @@ class Engine:
     def _decode_forward(self) -> tuple[torch.Tensor, bool]:
         """One token per running request, each at its own position: (next-token logits (n, V), split?)."""
         positions_list = [r.kv_len for r in self._running]
-        split = length_split(positions_list, self.split_min_saving)
+        # The fused step's attention reads each row's own positions only: one forward never reads too much.
+        split = None if self._fused is not None else length_split(positions_list, self.split_min_saving)
         if split is None:
             return self._forward_rows(None, positions_list), False
         parts = [(rows, self._forward_rows(rows, [positions_list[i] for i in rows])) for rows in split]
@@ -665,6 +681,10 @@ class Engine:
         """Decode forward for these running rows (None: all, in slot order); next-token logits (len(rows), V)."""
         positions = torch.tensor(positions_list, device=self._device)  # (n,)
         kv_length = max(positions_list) + 1
+        if self._fused is not None and rows is None:  # (no windows, M-RoPE or routes: _fused_decoder saw to it)
+            self._cache.plan_decode(positions, kv_length)
+            input_ids = torch.tensor([r.next_input() for r in self._running], device=self._device)  # (n,)
+            return self._fused(input_ids, positions, self._cache)
         window = self._windows.window
         # Sliding layers read from the earliest position any row's window reaches; none sees further back.
         window_start = 0 if window is None else max(0, min(positions_list) - window + 1)
@@ -676,8 +696,6 @@ class Engine:
         if self._rope:  # (the KV slot stays the token's index; only the rotary position moves)
             positions = positions + torch.tensor([r.rope_offset for r in running], device=self._device)
         input_ids = torch.tensor([r.next_input() for r in running], device=self._device)  # (n,)
-        if self._fused is not None:
-            return self._fused(input_ids, positions, mask, self._cache)
         out = self.model(
             input_ids=input_ids[:, None],  # (n, 1)
             attention_mask=mask,  # (n, 1, 1, L), sliding layers' from window_start on

@@ -1,14 +1,16 @@
-"""The engine's decoding step for Llama-shaped models with the small operations fused.
+"""The engine's decoding step for Llama-shaped models with the small operations and the attention fused.
 
 A decoding step feeds one token a row. At a few dozen rows its matrix products are small, and a model's own forward
 spends a large share of a bf16 step on a few hundred tiny framework kernels (norms, rotary embeddings, activations,
-residual adds), each costing its dispatch rather than its arithmetic. This path runs the same decoder layers with
-the model's own weights and the same attention call, does each layer's small operations in three C functions
-(decode_kernels.c: residual add with RMSNorm; rotary embedding with the KV cache write; SiLU gate), and its matrix
-products on weights packed for small batches (`_Linears`: q, k, v as one product, gate and up as another). The
-functions round where the model's code rounds, and the norm adds its squares in the order this torch's sum kernel
-does (`sum_lanes`), so in bf16 the step's logits are the model's own bit for bit; in fp32 the packed products add in
-another order (tests/unit/rollout/test_fused_decode.py).
+residual adds), each costing its dispatch rather than its arithmetic, and its attention reads every row up to the
+longest row's length through one mask. This path runs the same decoder layers with the model's own weights, does
+each layer's small operations and its attention in three C functions (decode_kernels.c: residual add with RMSNorm;
+rotary embeddings, KV cache write and attention over each row's own positions; SiLU gate), and its matrix products on
+weights packed for small batches (`_Linears`: q, k, v as one product, gate and up as another). The small operations
+round where the model's code rounds, and the norm adds its squares in the order this torch's sum kernel does
+(`sum_lanes`); the attention and the packed fp32 products add in other orders than the framework's kernels, so the
+logits differ from the model forward's within fp32 rounding, or a bf16 rounding in bf16
+(tests/unit/rollout/test_fused_decode.py).
 
 The C file is compiled at first use with the system's C compiler (`cc`, or $CC) into
 $FLASHREINFORCE_CACHE/kernels (else ~/.cache/flashreinforce/kernels), keyed by the source, flags and CPU. Without
@@ -45,6 +47,11 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
 
 
+PREFILL_CHUNK = 1024
+"""Prompt tokens a fused prefill forward takes at most: large enough for efficient products, small enough that a
+long prompt's activations stay a few MB a layer."""
+
+
 class KernelsUnavailable(RuntimeError):
     """The C kernels could not be built or loaded here (no compiler, a failed build)."""
 
@@ -54,7 +61,7 @@ def _cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "flashreinforce") / "kernels"
 
 
-def _build(source: Path, target: Path) -> None:
+def _build(source: Path, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         raise KernelsUnavailable("no C compiler found (install gcc, or set $CC): the fused decoding step needs one "
@@ -62,12 +69,15 @@ def _build(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, *_FLAGS, "-o", str(built), str(source), "-lm"]
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, check=False)
-        except OSError as error:
-            raise KernelsUnavailable(f"the C compiler {compiler!r} did not run ({error}): install gcc, or set $CC "
-                                     "to a C compiler") from error
+        for threading in (["-fopenmp"], []):  # a compiler without OpenMP builds the attention single-threaded
+            command = [compiler, *_FLAGS, *extra_flags, *threading, "-o", str(built), str(source), "-lm"]
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, check=False)
+            except OSError as error:
+                raise KernelsUnavailable(f"the C compiler {compiler!r} did not run ({error}): install gcc, or set "
+                                         "$CC to a C compiler") from error
+            if result.returncode == 0:
+                break
         if result.returncode != 0:
             raise KernelsUnavailable(f"the C compiler failed on {source.name} ({' '.join(command)}): "
                                      f"{result.stderr.strip()[-2000:]}")
@@ -96,12 +106,19 @@ def kernels() -> ctypes.CDLL:
     except OSError as error:  # an unwritable cache directory, a library the loader refuses
         raise KernelsUnavailable(f"the kernels could not be built or loaded at {target} ({error}): set "
                                  "$FLASHREINFORCE_CACHE to a writable directory") from error
+    return declared(library)
+
+
+def declared(library: ctypes.CDLL) -> ctypes.CDLL:
+    """The kernels' signatures declared on a loaded build of decode_kernels.c."""
     i64, ptr, f32, code = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     library.add_rms_norm.argtypes = [code, ptr, ptr, ptr, ptr, i64, i64, f32, i64, ptr]
     library.ordered_sum.argtypes, library.ordered_sum.restype = [ptr, i64, i64], f32
     library.silu_mul.argtypes = [code, ptr, ptr, i64, i64]
-    library.attention_inputs.argtypes = [code, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
-    for function in (library.add_rms_norm, library.silu_mul, library.attention_inputs):
+    library.decode_attention.argtypes = [code, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32,
+                                         ctypes.c_int]
+    library.decode_attention.restype = ctypes.c_int
+    for function in (library.add_rms_norm, library.silu_mul):
         function.restype = None
     return library
 
@@ -233,29 +250,45 @@ class FusedDecoder:
         self._lanes = sum_lanes(config.hidden_size) or 16
         self._linear = _Linears(model, rows)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                 cache: SlotCache) -> torch.Tensor:
-        """input_ids and positions (n,); mask (n, 1, 1, L) boolean, as the engine plans it; logits (n, V)."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """A decoding step: input_ids and positions (n,), with the cache's step planned; logits (n, V). Each row
+        attends to its own slot's positions up to its own, so rows of any lengths share one step without a mask."""
+        slots, _ = cache.decode_rows()  # (the rotary position is the KV position: no M-RoPE here)
+        return self._linear(self._layers(input_ids, positions, slots, cache), self._linear.head)
+
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: SlotCache) -> None:
+        """Store the keys and values of tokens input_ids (T,) at their slots and positions (T,), a request's tokens
+        in order, without padding, PREFILL_CHUNK tokens a forward (a token reads the keys of its request's earlier
+        ones, stored by an earlier chunk or by its own); no logits."""
+        for start in range(0, len(input_ids), PREFILL_CHUNK):
+            chunk = slice(start, start + PREFILL_CHUNK)
+            self._layers(input_ids[chunk], positions[chunk], slots[chunk], cache)
+
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                cache: SlotCache) -> torch.Tensor:
+        """The decoder layers over rows a token each, at `positions` of KV `slots`; the final norm's output."""
         if not self._linear.current():
             self._linear.pack()
         hidden = self._inner.embed_tokens(input_ids)  # (n, hidden)
         cos, sin = self._inner.rotary_emb(hidden, positions[:, None])  # (n, 1, head_dim) each
         cos, sin = cos.contiguous(), sin.contiguous()
-        slots, kv_positions = (t.to(torch.int64).contiguous() for t in cache.decode_rows())  # read by C
+        slots, positions = (t.to(torch.int64).contiguous() for t in (slots, positions))  # read by C
         # The C function writes there unchecked: a position or slot past the stores would overwrite memory.
-        if int(kv_positions.max()) >= cache.max_context or int(slots.max()) >= cache.num_slots:
-            raise IndexError(f"decoding step past the KV stores ({cache.num_slots} slots x {cache.max_context})")
-        rows = (slots, kv_positions, mask)
+        if int(positions.max()) >= cache.max_context or int(slots.max()) >= cache.num_slots:
+            raise IndexError(f"fused forward past the KV stores ({cache.num_slots} slots x {cache.max_context})")
+        step = (cos, sin, slots, positions, torch.get_num_threads())
+        store_like = hidden.new_empty(1, self._kv_heads, 1, self._head_dim)  # how SlotCache allocates a layer
         residual = hidden
         layers = self._inner.layers
         normed = self._norm(layers[0].input_layernorm, hidden, None)
         for index, (layer, packed) in enumerate(zip(layers, self._linear.layers)):
-            update = self._attention(layer.self_attn, packed, normed, cos, sin, rows, cache, index)
+            keys, values = cache.layer(index, store_like, store_like)
+            update = self._attention(layer.self_attn, packed, normed, step, keys, values)
             normed = self._norm(layer.post_attention_layernorm, update, residual)
             update = self._linear(self._silu_mul(self._linear(normed, packed["gate_up"])), packed["down"])
             following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self._inner.norm
             normed = self._norm(following, update, residual)
-        return self._linear(normed, self._linear.head)
+        return normed
 
     def _norm(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """norm(x), or with a residual: residual += x (in place), then norm(residual)."""
@@ -274,20 +307,17 @@ class FusedDecoder:
         self._kernels.silu_mul(self._code, gate_up.data_ptr(), out.data_ptr(), n, width)
         return out
 
-    def _attention(self, attention: nn.Module, packed: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   rows: tuple[torch.Tensor, ...], cache: SlotCache, index: int) -> torch.Tensor:
-        """rows: each row's KV slot and position, and the step's mask."""
-        n, dim = x.shape[0], self._head_dim
-        slots, positions, mask = rows
+    def _attention(self, attention: nn.Module, packed: dict, x: torch.Tensor, step: tuple,
+                   keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """step: the rotary angles, each row's KV slot and position, and the threads to split rows over."""
+        cos, sin, slots, positions, threads = step
+        n = x.shape[0]
         qkv = self._linear(x, packed["qkv"])  # (n, (heads + 2 * kv_heads) * head_dim)
-        like = qkv.new_empty(1, self._kv_heads, 1, dim)
-        keys, values = cache.layer(index, like, like)
-        query = qkv.new_empty(n, self._kv_heads, self._heads // self._kv_heads, dim)
-        self._kernels.attention_inputs(self._code, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.data_ptr(),
-                                       keys.data_ptr(), values.data_ptr(), slots.data_ptr(), positions.data_ptr(), n,
-                                       self._heads, self._kv_heads, dim, keys.shape[2])
-        keys, values = cache.decode_read(index)
-        # As the model's sdpa attention runs one query token with a mask: the query heads sharing a KV head
-        # become that head's rows (query is laid out so), so keys and values are read once, not repeated.
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attention.scaling)
-        return self._linear(out.reshape(n, self._heads * dim), packed["o"])
+        out = qkv.new_empty(n, self._heads * self._head_dim)
+        failed = self._kernels.decode_attention(
+            self._code, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+            slots.data_ptr(), positions.data_ptr(), out.data_ptr(), n, self._heads, self._kv_heads, self._head_dim,
+            keys.shape[2], attention.scaling, threads)
+        if failed:
+            raise MemoryError("the fused attention could not allocate its scratch memory")
+        return self._linear(out, packed["o"])

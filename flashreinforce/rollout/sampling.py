@@ -62,7 +62,9 @@ def processed_logprobs(
     """
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (B, V): at least fp32
     greedy = temperature == 0  # (B,)
-    z = z / torch.where(greedy, 1.0, temperature.float())[:, None]
+    divisors = torch.where(greedy, 1.0, temperature.float())  # (B,)
+    if bool((divisors != 1).any()):  # dividing by 1 changes no value: a pass over B x V spared at T = 1
+        z = z / divisors[:, None]
     truncate_k, truncate_p = bool((top_k > 0).any()), bool((top_p < 1).any())
     if truncate_k or truncate_p:
         z = _truncate(z, top_k, top_p, truncate_p)
@@ -104,7 +106,9 @@ def sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     B, V = logprobs.shape
     probs = logprobs.float().exp()  # (B, V); exp(-inf) = 0
     blocks = -(-V // CDF_BLOCK)
-    probs = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - V)).view(B, blocks, CDF_BLOCK)
+    if blocks * CDF_BLOCK != V:  # (padding copies the whole batch)
+        probs = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - V))
+    probs = probs.view(B, blocks, CDF_BLOCK)
     block_cdf = probs.sum(-1, dtype=torch.float64).cumsum(-1)  # (B, blocks)
     target = (uniforms * block_cdf[:, -1])[:, None]  # (B, 1)
     # The first block whose CDF passes the target: it has positive mass, and the CDF before it is <= target.

@@ -2,7 +2,8 @@
 
 Timings on a tiny model say nothing about SmolLM2; what is asserted holds by construction: every part and row is
 there, the parts of a step add up to the step, the engine sampled every token asked for (run_engine checks), and
-the fused decoding step sampled the model forward's tokens.
+the fused decoding step sampled the model forward's tokens in fp32 and stays as close to the trainer's recompute as
+the model's forward in bf16.
 """
 
 import json
@@ -30,9 +31,13 @@ def test_quick_run_reports_the_machine_the_engine_the_trainer_and_packing(tmp_pa
                             for method in ("engine", "engine, model's forward", "generate")}
     assert all(row["best tok/s"] >= row["median tok/s"] > 0 for row in methods.values())
     agreement = {row["precision"]: row for row in report["fused_agreement"]}  # the tiny Llama is fused
-    assert agreement["bf16"]["same tokens"] == agreement["bf16"]["requests"] == 8
-    assert agreement["bf16"]["max log-prob gap"] == 0.0
-    assert agreement["fp32"]["same tokens"] == 8 and agreement["fp32"]["max log-prob gap"] <= 1e-5
+    assert agreement["fp32"]["same tokens"] == agreement["fp32"]["requests"] == 8
+    assert agreement["fp32"]["max log-prob gap"] <= 1e-5 and agreement["fp32"]["fused vs recompute, max"] <= 1e-5
+    # bf16: the fused attention adds in its own order, a logit may differ by a bf16 rounding; the fused step stays
+    # about as close to the trainer's recompute as the model's own forward (this quick run: means 2.8e-4, 2.4e-4)
+    bf16 = agreement["bf16"]
+    assert bf16["fused vs recompute, max"] <= 1e-2
+    assert bf16["fused vs recompute, mean"] <= 2 * bf16["model's forward vs recompute, mean"] + 1e-4
     assert len(report["decode_split"]) == 4
     for split in report["decode_split"]:
         parts = ("matmul", "attention", "other model ops", "sampling", "bookkeeping")
