@@ -470,11 +470,12 @@ class RolloutConfig(_Section):
     under the new weights (slower: every in-flight prefix is recomputed each step). Checkpoint and
     evaluation steps always pause; april always aborts at a push (that is its method)."""
     fused_decode: Literal["auto", "on", "off"] = "auto"
-    """rollout.engine=local on a CPU: decoding steps of Llama, Mistral and Qwen2 models run their norms, rotary
-    embeddings and activations as fused kernels built once with the system's C compiler, and their products on
-    weights packed for small batches (bf16: the model forward's tokens and log-probs bit for bit; fp32: to float
-    rounding; docs/components.md#fused-decoding-steps). auto: where the model allows and the build succeeds,
-    else the model's own forward; on: an error says why it cannot; off: the model's own forward."""
+    """rollout.engine=local on a CPU: decoding steps and prefills of Llama, Mistral and Qwen2 models run their
+    norms, rotary embeddings, attention and activations as fused kernels built once with the system's C compiler,
+    and their products on weights packed for small batches (log-probs: the model forward's to float rounding in
+    fp32, within a bf16 rounding in bf16; docs/components.md#fused-decoding-steps). auto: where the model allows
+    and the build succeeds, else the model's own forward; on: an error says why it cannot; off: the model's own
+    forward."""
     vllm: VllmConfig = VllmConfig()
     """Options of rollout.engine=vllm (docs/vllm.md)."""
 
