@@ -10,6 +10,9 @@ measured 8.1 -> 4.9 ms per step for 128 rows at 20 tokens beside 5 at 120. Readi
 costs no extra forward (on a CPU a forward's fixed cost dominates); a prompt + prefix longer than
 `prefill_threshold` gets one batched prefill forward when admitted instead. The engine builds every attention
 mask itself, sliding windows included, so it serves the families of models/families.py and refuses others.
+Where rollout/fused_decode.py serves the model (Llama, Mistral, Qwen2 on a CPU), decoding steps and prefills run
+through its fused layers instead: each row attends to its own positions only (no split, no mask) and prompts are
+prefilled without padding.
 
 Each sampled token records its behavior log-prob, under the distribution it was actually drawn from
 (after temperature / top-k / top-p), and the weight version that drew it. An MoE model's routers are
@@ -197,13 +200,14 @@ class Engine:
         own dtype and loads weights as they come.
 
         max_context bounds prompt + generation. `seed` draws the stream keys of unseeded requests.
-        `split_min_saving`: a decoding step runs as two forwards, long rows and short rows, when that spares
-        attention at least this many row-positions of KV reads (see length_split).
+        `split_min_saving`: a decoding step through the model's own forward runs as two forwards, long rows and
+        short rows, when that spares attention at least this many row-positions of KV reads (see length_split).
         `probe_tolerance`: how far the engine's probe log-probs may be from the trainer's after a LoRA adapter push
         (rollout/adapters.py); None takes it from the base push's gap (bf16 or fp8 on either side).
-        `fused_decode` (rollout/fused_decode.py): decoding steps with the small operations fused, the same
-        log-probs. None: where it serves the model and its kernels build, else the model's own forward (the
-        reason in `fused_decode_off`); True: required (an error says why not); False: off.
+        `fused_decode` (rollout/fused_decode.py): decoding steps and prefills with the small operations and the
+        attention fused, the model forward's log-probs to float rounding (a bf16 rounding in bf16). None: where it
+        serves the model and its kernels build, else the model's own forward (the reason in `fused_decode_off`);
+        True: required (an error says why not); False: off.
         """
         config = model.config
         self._vocab_size = config.vocab_size
