@@ -12,7 +12,8 @@ format under --out, built once per settings and reused):
 TRL's other configurations: `--routes` tries each here (vs_trl_routes.py). Its asynchronous AsyncGRPOTrainer
 and its vLLM generation, colocated or through a server, fail on a CPU.
 Held fixed for all four: T=1 / top-p 1 / top-k off, 64 new tokens, AdamW (betas 0.9/0.999, no weight
-decay) at a constant lr 1e-4 with grad-norm clip 1, no KL, fp32, 128 trajectories per step. TRL tokenizes
+decay) at a constant lr 1e-4 with grad-norm clip 1, no KL, fp32 (`--precision bf16`: bf16 compute over fp32
+weights and AdamW, generation included for ours; TRL's `bf16=True`), 128 trajectories per step. TRL tokenizes
 the plain-text prompts with the same tokenizer (no BOS/EOS added; checked at start), stops on the same
 <eos>, and its reward function decodes the sampled ids as we do and calls our math verifier.
 Threads: `--threads N` sets torch's intra-op threads in every run but trl-all-cores. Ours runs its engine
@@ -265,7 +266,8 @@ def plot(runs: list[dict[str, Any]], settings: Settings, path: Path) -> None:
     axes[0].set_ylabel(f"held-out avg@{settings.eval_k} (%)")
     axes[0].legend(loc="lower right", fontsize=8)
     figure.suptitle(f"vs TRL: {len({r['seed'] for r in runs})} seed(s) per method, {settings.trajectories} "
-                    f"trajectories per step, torch threads {settings.threads} (trl-all-cores {settings.all_cores}), "
+                    f"trajectories per step, {settings.precision}, torch threads {settings.threads} "
+                    f"(trl-all-cores {settings.all_cores}), "
                     f"threshold {settings.threshold:g}% dashed", fontsize=10)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -287,6 +289,8 @@ def parse_args() -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--eval-every", type=int, help=f"steps between held-out evaluations (default {FULL.eval_every})")
     parser.add_argument("--threads", type=int,
                         help="torch intra-op threads in every run but trl-all-cores's training (default 1)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"),
+                        help="every run's compute precision (default fp32; bf16: fp32 weights and AdamW, bf16 compute)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/vs_trl"),
                         help="warm starts and run directories go here")
     parser.add_argument("--png", type=Path, default=Path("bench-out/vs_trl.png"))
@@ -298,7 +302,7 @@ def parse_args() -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)  # internal: one TRL run
     args = parser.parse_args()
     chosen = {"threshold": args.threshold, "steps": args.steps, "max_seconds": args.max_seconds,
-              "eval_every": args.eval_every, "threads": args.threads}
+              "eval_every": args.eval_every, "threads": args.threads, "precision": args.precision}
     try:
         settings = replace(QUICK if args.quick else FULL, **{k: v for k, v in chosen.items() if v is not None})
     except ValueError as error:
@@ -317,7 +321,8 @@ def report(runs: list[dict[str, Any]], settings: Settings, warm_eval: dict[str, 
     summary = summarize(runs, settings.threshold)
     speed, strongest = ratios(summary), strongest_trl(summary)
     print(f"\nwarm start: held-out avg@{warm_eval['k']} {warm_eval['eval/avg@k']:.1f}% on {warm_eval['num_prompts']} "
-          f"prompts; {settings.trajectories} trajectories per optimizer step; torch threads {settings.threads} in "
+          f"prompts; {settings.trajectories} trajectories per optimizer step; {settings.precision} compute; "
+          f"torch threads {settings.threads} in "
           f"every run (trl-all-cores: {settings.all_cores}); {len({r['seed'] for r in runs})} seed(s), "
           "median [range]\n")
     print(table(summary, settings))

@@ -50,6 +50,9 @@ class Settings:
     """torch intra-op threads of trl-all-cores's generation and training: the cores this process may use."""
     sft_steps: int
     """Steps of the shared SFT warm start."""
+    precision: str = "fp32"
+    """Every run's compute precision, generation and training; weights and AdamW stay fp32 in all (ours: fp32
+    masters of bf16 weights; TRL: `bf16=True`, autocast over its fp32 model). The warm start is fp32 SFT."""
 
     def __post_init__(self) -> None:
         if self.steps % self.eval_every:
@@ -89,12 +92,18 @@ def task_overrides(settings: Settings) -> list[str]:
     ]
 
 
+def precision_overrides(settings: Settings) -> list[str]:
+    """Our runs' precision, and every held-out evaluation's: the engine's and the trainer's."""
+    return [f"precision.trainer={settings.precision}", f"precision.rollout={settings.precision}"]
+
+
 def our_overrides(method: str, settings: Settings, seed: int, warm_dir: Path) -> list[str]:
     """`flashreinforce train RECIPE ...` overrides for one of our runs: every shared knob set explicitly."""
     groups, size = ((settings.trajectories, 1) if method == "flashreinforce"
                     else (settings.trajectories // settings.group_size, settings.group_size))
     return [
         *task_overrides(settings),
+        *precision_overrides(settings),
         f"model.path={warm_dir}",
         f"seed={seed}",
         f"data.shuffle_seed={seed}",

@@ -22,7 +22,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from vs_trl_task import RECIPES, EvalPoint, HeldOut, Settings, WorkerSpec, task_overrides
+from vs_trl_task import RECIPES, EvalPoint, HeldOut, Settings, WorkerSpec, precision_overrides, task_overrides
 
 from flashreinforce.run.data import load_data
 from flashreinforce.run.policy import seed_everything
@@ -89,7 +89,7 @@ def grpo_args(settings: Settings, seed: int, run_dir: str, **options: Any) -> GR
         "output_dir": run_dir,
         "seed": seed,
         "use_cpu": True,
-        "bf16": False,
+        "bf16": settings.precision == "bf16",  # autocast of the training forward; TRL generates in fp32
         "gradient_checkpointing": False,
         "per_device_train_batch_size": settings.trajectories,
         "gradient_accumulation_steps": 1,  # one optimizer step per generation batch
@@ -132,7 +132,7 @@ def check_same_tokens(trainer: Any, tokenizer: Any, prompts: list[Any]) -> None:
 def run_trl(spec: WorkerSpec) -> None:
     settings = spec.settings
     torch.set_num_threads(settings.trl_threads(spec.method))  # held-out evaluation switches to settings.threads
-    config = load_config(RECIPES["grpo"], task_overrides(settings))
+    config = load_config(RECIPES["grpo"], [*task_overrides(settings), *precision_overrides(settings)])
     seed_everything(spec.seed)
     data = load_data(config)
     tokenizer = AutoTokenizer.from_pretrained(spec.warm_dir, local_files_only=True)

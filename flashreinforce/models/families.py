@@ -17,6 +17,8 @@ from typing import Any, Literal
 from torch import nn
 from transformers import PreTrainedModel
 
+from flashreinforce.models.cpu_attention import FP32_SDPA
+
 Window = Literal["none", "model", "layer_types"]
 
 
@@ -113,9 +115,11 @@ def attention_windows(config: Any) -> Windows:
 # transformers' attention implementations that compute softmax attention as sdpa and eager do but cannot take
 # the engine's per-request masks (flash kernels read only lengths, flex needs block masks, paged ones a paged
 # cache): the engine runs its copy of the model with the masked equivalent instead. None: sdpa where the family
-# has it, else eager.
+# has it, else eager. A copy of a model the trainer switched to its fp32 attention (cpu_attention.py) goes back
+# to sdpa: the engine computes attention its own way.
 _MASKED_EQUIVALENT: dict[str, str | None] = {
     "sdpa": "sdpa",
+    FP32_SDPA: "sdpa",
     "eager": "eager",
     "paged|eager": "eager",
     "flash_attention_2": None,

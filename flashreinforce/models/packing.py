@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from flashreinforce.models.cpu_attention import FP32_SDPA
 from flashreinforce.models.families import FAMILIES, attention_windows
 
-PACKED_ATTENTION = ("sdpa", "eager")
+PACKED_ATTENTION = ("sdpa", "eager", FP32_SDPA)
 """Attention implementations that take the 4D masks (tests/unit/models/test_packed_forward.py). Flash attention reads no
 such mask (packed rows would need its variable-length kernels, untested here) and flex needs block masks: a model
-loaded with either trains padded."""
+loaded with either trains padded. FP32_SDPA is sdpa (cpu_attention.py)."""
 
 
 def first_fit_decreasing(lengths: Sequence[int], width: int) -> list[list[int]]:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from flashreinforce.models.cpu_attention import use_fp32_attention
 from flashreinforce.models.logprobs import first_marked, token_logprobs
 from flashreinforce.trainer.batching import TrainBatch
 
@@ -34,8 +35,10 @@ class Teachers:
         return list({id(model): model for model in self.by_task.values()}.values())
 
     def to(self, device: torch.device | str) -> Teachers:
+        device = torch.device(device)
         for model in self.models:
             model.to(device)
+            use_fp32_attention(model, device, model.dtype)  # as the trainer's student attends: equal models agree
         return self
 
     @torch.no_grad()

@@ -24,6 +24,7 @@ from flashreinforce.algorithms.advantages import single_row_tasks, within_tasks
 from flashreinforce.algorithms.wpsm import QuerySuccess, mean_token_entropy, wpsm_flags, wpsm_weights
 from flashreinforce.models.adapter_push import PROBE_IDS, PROBE_LOGPROBS, probe_logprobs, probe_row
 from flashreinforce.models.causal_lm import disable_dropout
+from flashreinforce.models.cpu_attention import use_fp32_attention
 from flashreinforce.models.checkpointing import checkpoint_layers
 from flashreinforce.models.logprobs import first_marked, first_marked_rows, packed_token_logprobs, token_logprobs
 from flashreinforce.models.moe import RouteRecorder, RouteReplay, route_shape, set_mismatch
@@ -148,6 +149,7 @@ class Trainer:
         self.formats_weights = numerics.formats_weights
         model.to(self.device)  # before the adapters and the masters, which are built on the model's device
         disable_dropout(model)  # before the adapters: trainer.lora.dropout is the adapters' own
+        use_fp32_attention(model, self.device, self.compute_dtype)  # a bf16 SDPA backward is slow on a CPU
         if gradient_checkpointing:
             enable_checkpointing(model, router_replay)
         self.lora: LoraAdapter | None = attach_lora(model, lora, numerics) if lora is not None else None

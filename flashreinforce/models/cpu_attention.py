@@ -1,0 +1,63 @@
+"""The trainer's attention on a CPU in bf16 or fp16: transformers' SDPA, computed in fp32.
+
+torch's CPU flash attention is slow to differentiate in half precision: its backward in bf16 takes about three
+times as long as in fp32 at the shapes RL trains at (rows of tens to hundreds of tokens, heads of 32-64), enough
+to make the attention the largest part of a bf16 training step on a small model, larger than all its matrix
+products. Upcasting the queries, keys and values, attending in fp32 and casting the output back is faster
+there and no less exact: every other product of the step stays in the compute dtype. On any other device, or in
+fp32, the function is transformers' own SDPA attention untouched.
+
+`FP32_SDPA` is registered with transformers' attention and mask registries under its own name (registering
+adds a name and changes no other model of the process); the trainer switches its model to it
+(`use_fp32_attention`). An engine given a copy of that model switches the copy back to "sdpa"
+(families.engine_attention): the engine has attention of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+FP32_SDPA = "sdpa_fp32_on_cpu"
+"""The attention implementation name: transformers' "sdpa", upcast to fp32 for half-precision inputs on a CPU."""
+HALF = (torch.bfloat16, torch.float16)
+
+
+def fp32_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' sdpa_attention_forward, in fp32 where the inputs are half precision on a CPU."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.device.type != "cpu" or query.dtype not in HALF:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    output, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                             **kwargs)
+    return output.to(query.dtype), weights
+
+
+def register() -> None:
+    """Add FP32_SDPA to transformers' registries (idempotent): its masks are SDPA's."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if FP32_SDPA not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(FP32_SDPA, fp32_sdpa_attention)
+    if FP32_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(FP32_SDPA, sdpa_mask)
+
+
+def use_fp32_attention(model: nn.Module, device: torch.device, compute_dtype: torch.dtype) -> bool:
+    """Switch `model` (a transformers model running SDPA) to FP32_SDPA where it will compute in half precision
+    on a CPU; returns whether it switched. Other attention implementations, devices and dtypes, and models that
+    are not transformers' own (a wrapper reading images), are left as they are."""
+    from transformers import PreTrainedModel
+
+    config = getattr(model, "config", None)
+    if (device.type != "cpu" or compute_dtype not in HALF or not isinstance(model, PreTrainedModel)
+            or getattr(config, "_attn_implementation", None) != "sdpa"):
+        return False
+    register()
+    model.set_attn_implementation(FP32_SDPA)
+    return True
