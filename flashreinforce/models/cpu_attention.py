@@ -1,11 +1,13 @@
 """The trainer's attention on a CPU in bf16 or fp16: transformers' SDPA, computed in fp32.
 
-torch's CPU flash attention is slow to differentiate in half precision: its backward in bf16 takes about three
-times as long as in fp32 at the shapes RL trains at (rows of tens to hundreds of tokens, heads of 32-64), enough
-to make the attention the largest part of a bf16 training step on a small model, larger than all its matrix
-products. Upcasting the queries, keys and values, attending in fp32 and casting the output back is faster
-there and no less exact: every other product of the step stays in the compute dtype. On any other device, or in
-fp32, the function is transformers' own SDPA attention untouched.
+torch's CPU flash attention is slow to differentiate in half precision over short rows: at 77 positions and heads
+of 64 its forward and backward in bf16 take twice as long as in fp32 (2-3x at heads of 32), enough to make the
+attention the largest part of a bf16 training step on a small model. Upcasting the queries, keys and values,
+attending in fp32 and casting the output back is faster there and no less exact: every other product of the
+step stays in the compute dtype. Over long rows the bf16 kernel is the faster one (0.7-0.9x at 256-2,048
+positions and heads of 64-128, measured on an AVX-512 BF16 CPU), so a call upcasts only while its key positions
+times its head width is at most UPCAST_LIMIT. On any other device, or in fp32, the function is transformers' own
+SDPA attention untouched.
 
 `FP32_SDPA` is registered with transformers' attention and mask registries under its own name (registering
 adds a name and changes no other model of the process); the trainer switches its model to it
@@ -23,14 +25,18 @@ from torch import nn
 FP32_SDPA = "sdpa_fp32_on_cpu"
 """The attention implementation name: transformers' "sdpa", upcast to fp32 for half-precision inputs on a CPU."""
 HALF = (torch.bfloat16, torch.float16)
+UPCAST_LIMIT = 12_288
+"""Key positions x head width up to which fp32 is the faster (the crossings measured on an AVX-512 BF16 CPU by
+`benchmarks/trainer_attention.py --kernels`: ~400 positions at a head width of 32, ~200 at 64, ~128 at 128)."""
 
 
 def fp32_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """transformers' sdpa_attention_forward, in fp32 where the inputs are half precision on a CPU."""
+    """transformers' sdpa_attention_forward, in fp32 where the inputs are half precision on a CPU and the keys
+    short enough (UPCAST_LIMIT)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.device.type != "cpu" or query.dtype not in HALF:
+    if query.device.type != "cpu" or query.dtype not in HALF or key.shape[-2] * query.shape[-1] > UPCAST_LIMIT:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     output, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
                                              **kwargs)

@@ -9,6 +9,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from flashreinforce.models import build_model, token_logprobs
 from flashreinforce.models.cpu_attention import (
     FP32_SDPA,
+    UPCAST_LIMIT,
     fp32_sdpa_attention,
     use_fp32_attention,
 )
@@ -42,6 +43,18 @@ def test_half_precision_attends_in_fp32_and_returns_its_dtype():
     assert torch.equal(output, reference.to(torch.bfloat16))
     plain, _ = sdpa_attention_forward(_Module(), q, k, v, None, dropout=0.0, scaling=None)
     assert not torch.equal(output, plain)  # the bf16 kernel adds in bf16: the upcast is not a no-op
+
+
+def test_long_keys_stay_in_half_precision_where_its_kernel_is_the_faster():
+    g = torch.Generator().manual_seed(0)
+    positions = UPCAST_LIMIT // 16 + 1  # one position past the limit at a head width of 16
+    q, k, v = (torch.randn(1, 2, positions, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    output, _ = fp32_sdpa_attention(_Module(), q, k, v, None, dropout=0.0, scaling=None)
+    assert torch.equal(output, sdpa_attention_forward(_Module(), q, k, v, None, dropout=0.0, scaling=None)[0])
+    shorter = [t[:, :, : UPCAST_LIMIT // 16] for t in (q, k, v)]  # at the limit: upcast
+    upcast, _ = fp32_sdpa_attention(_Module(), *shorter, None, dropout=0.0, scaling=None)
+    reference, _ = sdpa_attention_forward(_Module(), *(t.float() for t in shorter), None, dropout=0.0, scaling=None)
+    assert torch.equal(upcast, reference.to(torch.bfloat16))
 
 
 def test_fp32_inputs_are_transformers_sdpa_untouched():
