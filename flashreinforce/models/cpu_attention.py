@@ -56,14 +56,16 @@ def register() -> None:
 
 def use_fp32_attention(model: nn.Module, device: torch.device, compute_dtype: torch.dtype) -> bool:
     """Switch `model` (a transformers model running SDPA) to FP32_SDPA where it will compute in half precision
-    on a CPU; returns whether it switched. Other attention implementations, devices and dtypes, and models that
-    are not transformers' own (a wrapper reading images), are left as they are."""
+    on a CPU; returns whether it switched. Other attention implementations, devices and dtypes, models that are
+    not transformers' own (a wrapper reading images) and classes that cannot switch attention at run time are
+    left as they are."""
     from transformers import PreTrainedModel
 
     config = getattr(model, "config", None)
     if (device.type != "cpu" or compute_dtype not in HALF or not isinstance(model, PreTrainedModel)
-            or getattr(config, "_attn_implementation", None) != "sdpa"):
+            or getattr(config, "_attn_implementation", None) != "sdpa"
+            or not model._can_set_attn_implementation()):  # asked anyway, such a class would only log a warning
         return False
     register()
     model.set_attn_implementation(FP32_SDPA)
-    return True
+    return config._attn_implementation == FP32_SDPA

@@ -76,6 +76,13 @@ def test_switched_only_for_half_precision_on_a_cpu():
     assert packing_problem(model) is None  # packed rows train with it as with sdpa
 
 
+def test_a_class_that_cannot_switch_attention_keeps_sdpa(monkeypatch):
+    model = build_model(16, 32, 1, 2, 32)
+    monkeypatch.setattr(type(model), "_can_set_attn_implementation", lambda self: False)
+    assert not use_fp32_attention(model, CPU, torch.bfloat16)
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_an_engine_copy_goes_back_to_sdpa_and_the_trainer_keeps_it():
     model = build_model(16, 32, 1, 2, 32)
     use_fp32_attention(model, CPU, torch.bfloat16)
