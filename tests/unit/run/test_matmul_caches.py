@@ -13,8 +13,9 @@ def test_missing_capacities_are_set_and_the_users_are_kept():
 
 
 def test_every_command_runs_with_them(monkeypatch, capsys):
-    for name in MATMUL_CACHE_CAPACITIES:
-        monkeypatch.delenv(name, raising=False)
+    # a copy without them, so what main sets does not outlive the test (delenv restores only what it deleted)
+    environ = {name: value for name, value in os.environ.items() if name not in MATMUL_CACHE_CAPACITIES}
+    monkeypatch.setattr(os, "environ", environ)
     main(["config", "trainer"])
-    assert {name: os.environ[name] for name in MATMUL_CACHE_CAPACITIES} == MATMUL_CACHE_CAPACITIES
+    assert {name: environ[name] for name in MATMUL_CACHE_CAPACITIES} == MATMUL_CACHE_CAPACITIES
     assert "lr" in capsys.readouterr().out
