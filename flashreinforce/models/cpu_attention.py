@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 FP32_SDPA = "sdpa_fp32_on_cpu"
-"""The attention implementation name: transformers' "sdpa", upcast to fp32 for half-precision inputs on a CPU."""
+"""The attention implementation name: transformers' "sdpa", upcast to fp32 for half-precision inputs on a CPU
+over keys short enough (UPCAST_LIMIT)."""
 HALF = (torch.bfloat16, torch.float16)
 UPCAST_LIMIT = 12_288
 """Key positions x head width up to which fp32 is the faster (the crossings measured on an AVX-512 BF16 CPU by
