@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -247,8 +248,13 @@ def test_async_engine_drives_it_through_a_pause_and_a_push(built):
     async def scenario():
         front = AsyncEngine(engine)
         try:
+            before = front.stats.sampled_tokens  # the engine is shared with earlier tests
             futures = [front.submit(f"a{i}", PROMPT, SamplingParams(max_new_tokens=30, seed=i)) for i in range(4)]
-            await asyncio.sleep(0.05)
+            # Pause mid-flight: after the first decoding step, not after a fixed sleep, which a fast step
+            # outran (all 30 tokens sampled before the pause, none under the pushed weights).
+            deadline = time.monotonic() + 60
+            while front.stats.sampled_tokens == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
             partials = await front.pause()
             version = next(versions)
             await front.load_weights(perturbed(engine._reference, version), version)
@@ -258,7 +264,8 @@ def test_async_engine_drives_it_through_a_pause_and_a_push(built):
             front.close()
 
     done, partials, version = asyncio.run(scenario())
-    assert [g.request_id for g in done] == ["a0", "a1", "a2", "a3"] and len(partials) <= 4
+    assert [g.request_id for g in done] == ["a0", "a1", "a2", "a3"] and 1 <= len(partials) <= 4
+    assert any(g.policy_versions[0] < version for g in done), "some tokens were sampled before the push"
     for g in done:
         assert g.finish_reason == "length" and len(g.token_ids) == 30 and g.policy_versions[-1] == version
 
