@@ -28,11 +28,15 @@ Measured per run (its own process): held-out avg@k (our `evaluate` on our engine
 weights, T=1, the same prompts and per-sample seeds for every method) before RL and every --eval-every
 steps; RL wall-clock from the first step with evaluation cut out (ours: the loop's `time/step_seconds`,
 which excludes evaluation; TRL: a callback that stops the clock while it evaluates); sampled tokens (every
-generated token incl. EOS, training rollouts only); steps/s and tokens/s over the whole run; peak RSS of
+generated token incl. EOS, training rollouts only) and the tokens trained on (those of the rollouts the
+evaluated weights learned from: ours has also sampled the batch it generates ahead, TRL trains on all it
+sampled); steps/s and tokens/s over the whole run; peak RSS of
 the run's processes together (sampled every 0.25 s: ours is the loop, its trainer process and verifier
 workers; TRL one process; the JSON also has the largest single process's, exact, from wait4).
 Time and tokens to threshold are those at the first evaluation at or above it. The goal compares
-FlashREINFORCE with the strongest TRL method: the one with the shortest median wall-clock to the threshold.
+FlashREINFORCE with the strongest TRL method (the one with the shortest median wall-clock to the threshold)
+on time, and on the tokens trained on: sample efficiency, which the one batch an asynchronous run has
+generated ahead at any moment does not change. The sampled-tokens ratio is printed beside it.
 
     python benchmarks/vs_trl.py                    # 3 seeds x 4 methods
     python benchmarks/vs_trl.py --threads 2 --png bench-out/vs_trl_threads2.png
@@ -182,6 +186,7 @@ def summarize(runs: list[dict[str, Any]], threshold: float) -> dict[str, dict[st
             "reached": sum(h is not None for h in hits),
             "seconds_to_threshold": [h["seconds"] if h else math.inf for h in hits],
             "tokens_to_threshold": [h["sampled_tokens"] if h else math.inf for h in hits],
+            "trained_tokens_to_threshold": [h["trained_tokens"] if h else math.inf for h in hits],
             "steps_to_threshold": [h["step"] if h else math.inf for h in hits],
             "steps_per_second": [r["steps"] / r["seconds"] for r in mine],
             "tokens_per_second": [r["sampled_tokens"] / r["seconds"] for r in mine],
@@ -201,33 +206,36 @@ def strongest_trl(summary: dict[str, dict[str, Any]]) -> str | None:
 
 
 def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per TRL method, per method of ours: TRL's median time to threshold over ours, our median tokens over TRL's.
+    """Per TRL method, per method of ours: TRL's median time to threshold over ours, our median tokens (sampled;
+    trained on) over TRL's.
 
     Empty for a pair when either median is "not reached" (no finite ratio to state).
     """
-    medians = {m: (statistics.median(s["seconds_to_threshold"]), statistics.median(s["tokens_to_threshold"]))
-               for m, s in summary.items()}
+    keys = ("seconds_to_threshold", "tokens_to_threshold", "trained_tokens_to_threshold")
+    medians = {m: [statistics.median(s[key]) for key in keys] for m, s in summary.items()}
     out: dict[str, dict[str, dict[str, float]]] = {}
     for trl in (m for m in summary if m in TRL_METHODS):
-        trl_time, trl_tokens = medians[trl]
+        trl_time, trl_tokens, trl_trained = medians[trl]
         out[trl] = {}
         for method in (m for m in summary if m not in TRL_METHODS):
-            time_, tokens = medians[method]
-            finite = all(math.isfinite(v) and v > 0 for v in (trl_time, trl_tokens, time_, tokens))
-            out[trl][method] = ({"speedup_vs_trl": trl_time / time_, "tokens_vs_trl": tokens / trl_tokens}
-                                if finite else {})
+            time_, tokens, trained = medians[method]
+            finite = all(math.isfinite(v) and v > 0 for v in (*medians[trl], *medians[method]))
+            out[trl][method] = ({"speedup_vs_trl": trl_time / time_, "tokens_vs_trl": tokens / trl_tokens,
+                                 "trained_tokens_vs_trl": trained / trl_trained} if finite else {})
     return out
 
 
 def table(summary: dict[str, dict[str, Any]], settings: Settings) -> str:
     target = f"{settings.threshold:g}%"
     header = (f"| method | reached {target} | wall-clock to {target} (s) | sampled tokens to {target} "
-              f"| steps to {target} | steps/s | tokens/s | peak RSS, all processes (MB) | avg@{settings.eval_k} at end |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+              f"| tokens trained on to {target} | steps to {target} | steps/s | tokens/s "
+              f"| peak RSS, all processes (MB) | avg@{settings.eval_k} at end |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for method, s in summary.items():
         lines.append(
             f"| {settings.label(method)} | {s['reached']}/{s['runs']} | {_spread(s['seconds_to_threshold'], '.1f')} "
-            f"| {_spread(s['tokens_to_threshold'], ',.0f')} | {_spread(s['steps_to_threshold'], '.0f')} "
+            f"| {_spread(s['tokens_to_threshold'], ',.0f')} | {_spread(s['trained_tokens_to_threshold'], ',.0f')} "
+            f"| {_spread(s['steps_to_threshold'], '.0f')} "
             f"| {_spread(s['steps_per_second'], '.2f')} | {_spread(s['tokens_per_second'], ',.0f')} "
             f"| {_spread(s['peak_tree_rss_mb'], '.0f')} | {_spread(s['final_accuracy'], '.1f')} |"
         )
@@ -313,7 +321,7 @@ def parse_args() -> tuple[argparse.Namespace, Settings]:
 
 GOAL_SPEEDUP = 1.5
 """FlashREINFORCE reaches the threshold at least this much sooner than the strongest TRL method, at <= 1x its
-sampled tokens."""
+tokens trained on."""
 
 
 def report(runs: list[dict[str, Any]], settings: Settings, warm_eval: dict[str, Any]) -> tuple[dict, dict, str | None]:
@@ -330,13 +338,14 @@ def report(runs: list[dict[str, Any]], settings: Settings, warm_eval: dict[str, 
     for trl, per_method in speed.items():
         for method, r in per_method.items():
             print(f"{settings.label(method)} vs {settings.label(trl)}: " + (
-                f"reaches {settings.threshold:g}% {r['speedup_vs_trl']:.2f}x as fast, with {r['tokens_vs_trl']:.2f}x "
-                "its sampled tokens (ratios of the medians over seeds)" if r else "no comparison: not both reached"))
+                f"reaches {settings.threshold:g}% {r['speedup_vs_trl']:.2f}x as fast, having trained on "
+                f"{r['trained_tokens_vs_trl']:.3f}x its tokens and sampled {r['tokens_vs_trl']:.3f}x "
+                "(ratios of the medians over seeds)" if r else "no comparison: not both reached"))
     goal = f"goal (FlashREINFORCE >= {GOAL_SPEEDUP:g}x as fast as the strongest TRL method"
     if strongest is not None and "flashreinforce" in summary:
         r = speed[strongest]["flashreinforce"]
-        met = bool(r) and r["speedup_vs_trl"] >= GOAL_SPEEDUP and r["tokens_vs_trl"] <= 1
-        print(f"{goal}, {settings.label(strongest)}, at <= 1x its sampled tokens): {'met' if met else 'NOT met'}")
+        met = bool(r) and r["speedup_vs_trl"] >= GOAL_SPEEDUP and r["trained_tokens_vs_trl"] <= 1
+        print(f"{goal}, {settings.label(strongest)}, at <= 1x its tokens trained on): {'met' if met else 'NOT met'}")
     elif "flashreinforce" in summary and any(m in TRL_METHODS for m in summary):
         print(f"{goal}): no comparison, no TRL method reached {settings.threshold:g}%")
     return summary, speed, strongest

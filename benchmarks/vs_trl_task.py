@@ -151,6 +151,10 @@ class EvalPoint:
     """Tokens generated for training so far (EOS included, evaluation excluded)."""
     accuracy: float
     """Held-out avg@k, percent."""
+    trained_tokens: int
+    """Tokens of the rollouts the optimizer steps so far trained on (EOS included): the data the evaluated
+    weights learned from. A synchronous run trains on all it sampled; an asynchronous one has also sampled
+    the batch it generates ahead of the trainer, which `sampled_tokens` counts and this does not."""
 
 
 @dataclass(frozen=True)
@@ -223,16 +227,18 @@ def curve_from_metrics(path: Path) -> tuple[list[EvalPoint], dict[str, float]]:
 
     Per step the loop logs `time/step_seconds` (from the end of the previous weight push to this one, so a
     held-out evaluation, which runs while generation is paused, is outside it) and the rollout throughput
-    over that same interval; their product is the step's sampled tokens.
+    over that same interval; their product is the step's sampled tokens. `batch/policy_tokens` is what the
+    step trained on.
     """
-    points, seconds, tokens, eval_seconds, step = [], 0.0, 0.0, 0.0, 0
+    points, seconds, tokens, trained, eval_seconds, step = [], 0.0, 0.0, 0, 0.0, 0
     for line in path.read_text().splitlines():
         row = json.loads(line)
         step = int(row["step"])
         if step > 0:
             seconds += row["time/step_seconds"]
             tokens += row["throughput/tokens_per_second"] * row["time/step_seconds"]
+            trained += int(row["batch/policy_tokens"])
             eval_seconds += row.get("time/eval_seconds", 0.0)
         if "eval/avg@k" in row:
-            points.append(EvalPoint(step, seconds, round(tokens), row["eval/avg@k"]))
+            points.append(EvalPoint(step, seconds, round(tokens), row["eval/avg@k"], trained))
     return points, {"steps": step, "seconds": seconds, "sampled_tokens": round(tokens), "eval_seconds": eval_seconds}

@@ -68,7 +68,7 @@ class Clock(TrainerCallback):
         self.started = 0.0
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.points.append(EvalPoint(0, 0.0, 0, self.held_out(model, 0)))
+        self.points.append(EvalPoint(0, 0.0, 0, self.held_out(model, 0), 0))
         self.started = time.perf_counter()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -77,7 +77,9 @@ class Clock(TrainerCallback):
         over = self.seconds >= self.max_seconds
         if state.global_step % self.every == 0 or state.global_step >= state.max_steps or over:
             accuracy = self.held_out(model, state.global_step)
-            self.points.append(EvalPoint(state.global_step, self.seconds, self.tokens.count, accuracy))
+            # One optimizer step per generation batch, generated just before it: all it sampled, it trained on.
+            self.points.append(EvalPoint(state.global_step, self.seconds, self.tokens.count, accuracy,
+                                         trained_tokens=self.tokens.count))
             self.eval_seconds += time.perf_counter() - now
         if over:  # never reset the flag: TRL's own callback sets it at max_steps
             control.should_training_stop = True

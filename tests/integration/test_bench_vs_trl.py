@@ -47,6 +47,13 @@ def test_quick_runs_every_method_from_one_warm_start(tmp_path):
         # of rollouts ahead (128 slots) within the 64-token budget.
         assert settings["steps"] * settings["trajectories"] <= run["sampled_tokens"], method
         assert run["sampled_tokens"] <= (settings["steps"] * settings["trajectories"] + 128) * 64, method
+        # Tokens trained on: a subset of those sampled, every one for TRL (it trains on each batch it generates);
+        # ours leaves out the batch generated ahead, so at the end it has trained on fewer than it sampled.
+        trained = [p["trained_tokens"] for p in run["points"]]
+        assert trained[0] == 0 and trained == sorted(trained), method
+        assert trained[-1] >= settings["steps"] * settings["trajectories"], method
+        assert all(t <= s for t, s in zip(trained, tokens)), method
+        assert (trained == tokens) if method.startswith("trl") else (trained[-1] < tokens[-1]), method
         assert run["peak_rss_mb"] > 50 and run["peak_tree_rss_mb"] > 50, method
         assert report["summary"][method]["reached"] == 1 and report["summary"][method]["steps_to_threshold"] == [0]
     # One warm start, one evaluation: the same weights score the same before RL, whichever framework runs next.
