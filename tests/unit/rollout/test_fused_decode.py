@@ -137,6 +137,17 @@ def test_weights_changed_in_place_or_replaced_are_repacked(built_kernels):
     assert max(abs(a - b) for a, b in zip(outputs[0].behavior_logprobs, outputs[1].behavior_logprobs)) <= 2e-6
 
 
+@pytest.mark.parametrize("slots", [1, 4, 6, 128])
+def test_products_run_at_a_few_row_counts_each_at_least_its_rows(slots):
+    """oneDNN keeps a kernel per row count in a bounded cache: a decoding step's products (1 to `slots` rows) run at
+    the powers of two up to the slots, a prefill's at multiples of them, never more than twice the rows."""
+    decode = {n: fused_decode.row_bucket(n, slots) for n in range(1, slots + 1)}
+    prefill = {n: fused_decode.row_bucket(n, slots) for n in range(slots + 1, fused_decode.PREFILL_CHUNK + 1)}
+    assert set(decode.values()) == {min(2 ** k, slots) for k in range((slots - 1).bit_length() + 1)}
+    assert set(prefill.values()) <= set(range(2 * slots, fused_decode.PREFILL_CHUNK + slots, slots))
+    assert all(n <= bucket < 2 * n for n, bucket in (decode | prefill).items())
+
+
 @pytest.mark.parametrize("size", [1, 7, 64, 576, 1000, 4097, 16411])
 def test_ordered_sums_add_in_the_order_of_this_torch(size, built_kernels):
     """The norm's sum of squares adds as torch's own sum does, for sizes that reach each of its cascade levels
