@@ -246,11 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 MATMUL_CACHE_CAPACITIES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 """oneDNN (torch's bf16 products on a CPU, and the engine's packed products in either precision) and ideep over it
-each keep up to 1,024 compiled kernels by default, one per product shape. A trainer's shapes change every step (rows x lengths) and are rarely met again, so a bf16
-run filled both caches: the default recipe in bf16 peaked at 2.7 GB where 64 each gives 0.8 GB. The engine's
-packed products run at bucketed row counts (8 kernels a product at 128 slots), which 64 holds; in bf16 the
-trainer's kernels still evict some of them (generation ~9% slower than at 1,024), the price of the memory. A value
-the user set is kept."""
+each keep up to 1,024 compiled kernels by default, one per product shape. A trainer's shapes change every step
+(rows x lengths) and are rarely met again, so a bf16 run filled both caches: the default recipe in bf16 peaked at
+2.7 GB where 64 each gives 0.8 GB. The engine's packed products run at bucketed row counts (8 kernels a product at
+128 slots), which 64 holds; in bf16 the trainer's kernels still evict some of them (generation ~9% slower than at
+1,024), the price of the memory. A value the user set is kept."""
 
 
 def bound_matmul_caches(environ: dict[str, str] | None = None) -> None:
