@@ -31,8 +31,9 @@ which excludes evaluation; TRL: a callback that stops the clock while it evaluat
 generated token incl. EOS, training rollouts only) and the tokens trained on (those of the rollouts the
 evaluated weights learned from: ours has also sampled the batch it generates ahead, TRL trains on all it
 sampled); steps/s and tokens/s over the whole run; peak RSS of
-the run's processes together (sampled every 0.25 s: ours is the loop, its trainer process and verifier
-workers; TRL one process; the JSON also has the largest single process's, exact, from wait4).
+the run's processes together (sampled every 0.25 s: ours is the loop's process, whose engine and trainer
+are threads, and its verifier workers; TRL one process; the JSON also has the largest single process's,
+exact, from wait4).
 Time and tokens to threshold are those at the first evaluation at or above it. The goal compares
 FlashREINFORCE with the strongest TRL method (the one with the shortest median wall-clock to the threshold)
 on time, and on the tokens trained on: sample efficiency, which the one batch an asynchronous run has
