@@ -9,9 +9,11 @@ format under --out, built once per settings and reused):
 - trl: TRL 1.16 GRPOTrainer: 32 prompts x 4 generations, one optimizer step per generation batch, generating
   with `model.generate`.
 - trl-all-cores: the same with torch's default threads, all the machine's cores, for generation and training.
+- flashreinforce-sync (only when named in --methods): ours with the sync scheduler (`arithmetic_sync`), each
+  batch sampled by the weights that train on it: what the overlap costs in samples and gains in time.
 TRL's other configurations: `--routes` tries each here (vs_trl_routes.py). Its asynchronous AsyncGRPOTrainer
 and its vLLM generation, colocated or through a server, fail on a CPU.
-Held fixed for all four: T=1 / top-p 1 / top-k off, 64 new tokens, AdamW (betas 0.9/0.999, no weight
+Held fixed for all: T=1 / top-p 1 / top-k off, 64 new tokens, AdamW (betas 0.9/0.999, no weight
 decay) at a constant lr 1e-4 with grad-norm clip 1, no KL, fp32 (`--precision bf16`: bf16 compute over fp32
 weights and AdamW, generation included for ours; TRL's `bf16=True`), 128 trajectories per step. TRL tokenizes
 the plain-text prompts with the same tokenizer (no BOS/EOS added; checked at start), stops on the same
@@ -63,6 +65,7 @@ from typing import Any
 
 from machine import Machine
 from vs_trl_task import (
+    DEFAULT_METHODS,
     METHODS,
     RECIPES,
     TRL_METHODS,
@@ -260,7 +263,8 @@ def plot(runs: list[dict[str, Any]], settings: Settings, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"flashreinforce": "#1f77b4", "grpo": "#2ca02c", "trl": "#d62728", "trl-all-cores": "#ff7f0e"}
+    colors = {"flashreinforce": "#1f77b4", "grpo": "#2ca02c", "trl": "#d62728", "trl-all-cores": "#ff7f0e",
+              "flashreinforce-sync": "#9467bd"}
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for run in runs:
         label = settings.label(run["method"]) if run["seed"] == runs[0]["seed"] else None
@@ -291,7 +295,8 @@ def parse_args() -> tuple[argparse.Namespace, Settings]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny settings, 1 seed: the harness end to end, ~2 min")
     parser.add_argument("--seeds", type=int, nargs="+", help="run seeds (default 0 1 2; --quick: 0)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
+                        help=f"default: {' '.join(DEFAULT_METHODS)}")
     parser.add_argument("--threshold", type=float, help=f"held-out avg@k to reach, percent (default {FULL.threshold:g})")
     parser.add_argument("--steps", type=int, help=f"optimizer steps per run (default {FULL.steps})")
     parser.add_argument("--max-seconds", type=float, help="RL wall-clock cap per run, evaluation excluded")

@@ -15,12 +15,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-RECIPES = {"flashreinforce": "arithmetic", "grpo": "arithmetic_grpo"}
-"""Our two methods are the shipped recipes: FlashREINFORCE (128 prompts x 1) and GRPO (32 prompts x 4)."""
+RECIPES = {"flashreinforce": "arithmetic", "grpo": "arithmetic_grpo", "flashreinforce-sync": "arithmetic_sync"}
+"""Our methods are the shipped recipes: FlashREINFORCE (128 prompts x 1) and GRPO (32 prompts x 4), both
+overlapped (the engine one step ahead of the trainer), and FlashREINFORCE in turns (the `sync` scheduler: every
+batch sampled by the weights it trains; an ablation of the overlap, run on request)."""
+ONE_ROLLOUT = ("flashreinforce", "flashreinforce-sync")
 TRL_METHODS = ("trl", "trl-all-cores")
 """TRL's GRPOTrainer with `model.generate` (of TRL's configurations, vs_trl_routes.py tries each on this machine):
 at the threads every run gets, and at all the machine's cores (torch's default, which TRL keeps)."""
 METHODS = (*RECIPES, *TRL_METHODS)
+DEFAULT_METHODS = ("flashreinforce", "grpo", *TRL_METHODS)
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,8 @@ class Settings:
             threads = self.trl_threads(method)
             return f"TRL GRPOTrainer ({groups}, {threads} thread{'s' if threads > 1 else ''})"
         return {"flashreinforce": f"ours: FlashREINFORCE ({self.trajectories}x1, async)",
-                "grpo": f"ours: GRPO ({groups}, async)"}[method]
+                "grpo": f"ours: GRPO ({groups}, async)",
+                "flashreinforce-sync": f"ours: FlashREINFORCE ({self.trajectories}x1, sync)"}[method]
 
 
 def task_overrides(settings: Settings) -> list[str]:
@@ -99,7 +104,7 @@ def precision_overrides(settings: Settings) -> list[str]:
 
 def our_overrides(method: str, settings: Settings, seed: int, warm_dir: Path) -> list[str]:
     """`flashreinforce train RECIPE ...` overrides for one of our runs: every shared knob set explicitly."""
-    groups, size = ((settings.trajectories, 1) if method == "flashreinforce"
+    groups, size = ((settings.trajectories, 1) if method in ONE_ROLLOUT
                     else (settings.trajectories // settings.group_size, settings.group_size))
     return [
         *task_overrides(settings),

@@ -59,3 +59,22 @@ def test_quick_runs_every_method_from_one_warm_start(tmp_path):
     # One warm start, one evaluation: the same weights score the same before RL, whichever framework runs next.
     assert len({run["points"][0]["accuracy"] for run in runs.values()}) == 1
     assert runs["trl"]["points"][0]["accuracy"] == report["warm_start"]["eval/avg@k"]
+
+
+def test_the_sync_ablation_is_flashreinforce_in_turns_and_runs_only_on_request(tmp_path):
+    sys.path.insert(0, str(BENCHMARK.parent))
+    try:
+        from vs_trl import FULL
+        from vs_trl_task import DEFAULT_METHODS, RECIPES, our_overrides
+    finally:
+        sys.path.remove(str(BENCHMARK.parent))
+    from flashreinforce.config import load_config
+
+    configs = {method: load_config(RECIPES[method], our_overrides(method, FULL, 0, tmp_path))
+               for method in ("flashreinforce", "flashreinforce-sync")}
+    overlapped, in_turns = configs["flashreinforce"], configs["flashreinforce-sync"]
+    assert (overlapped.scheduler.kind, in_turns.scheduler.kind) == ("stream", "sync")
+    # Everything else the same: one rollout of each of 128 prompts a step, the same objective and optimizer.
+    assert in_turns.model_dump(exclude={"name", "scheduler"}) == overlapped.model_dump(exclude={"name", "scheduler"})
+    assert (in_turns.scheduler.batch_groups, in_turns.scheduler.group_size) == (FULL.trajectories, 1)
+    assert "flashreinforce-sync" not in DEFAULT_METHODS and "flashreinforce" in DEFAULT_METHODS
