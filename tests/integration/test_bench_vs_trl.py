@@ -1,4 +1,5 @@
-"""`benchmarks/vs_trl.py --quick`: the vs-TRL harness end to end, all four methods (needs the trl extra)."""
+"""`benchmarks/vs_trl.py --quick`: the vs-TRL harness end to end, its four default methods (needs the trl extra);
+the opt-in sync ablation's runs differ from the shipped recipe's in the scheduler alone."""
 
 import json
 import subprocess
