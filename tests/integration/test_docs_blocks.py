@@ -188,7 +188,7 @@ def test_the_readme_installs_pytorchs_cpu_build_before_the_project():
         torch = next(i for i, step in enumerate(steps) if step.startswith("pip install torch=="))
         project = next(i for i, step in enumerate(steps) if step.startswith("pip install -e"))
         assert torch < project and steps[torch].split()[3:] == CPU_INDEX.split(), steps[torch]
-    for path in (".ci/textworld", "scripts/install_vllm_cpu.sh", "docs/troubleshooting.md"):
+    for path in (".ci/run", ".ci/textworld", ".ci/hubs", "scripts/install_vllm_cpu.sh", "docs/troubleshooting.md"):
         lines = [line for line in (REPO / path).read_text().splitlines() if re.search(r"pip install( -q)? torch==", line)]
         assert lines and all(CPU_INDEX in line for line in lines), path
 
