@@ -24,9 +24,9 @@ before that step (the step's first forward is on them):
 - gate accept: loss/acceptance_rate, rows with the FlashREINFORCE sequence KL D_i <= delta (3e-3), and at
   delta 1e-3 (the reference's setting for its 7B tool and ALFWorld runs), with the largest D_i of the batch;
 - MISC accept: policy tokens whose rho = exp(log pi_old - log mu) lies in MiscOptions' default IcePop band,
-  from a separate no-grad recompute of pi_old through the trainer's model in the trainer's microbatches
-  (the trainer does not expose per-token log-probs); its own mean gap is in the JSON (recompute_abs_mean)
-  as a check against the trainer's metric;
+  from a separate no-grad recompute of pi_old through the trainer's first forward (Trainer.first_forward: its
+  microbatches, packed where the recipe packs); its own mean gap is in the JSON (recompute_abs_mean) as a check
+  against the trainer's metric;
 - engine tok/s: sampled tokens / seconds inside Engine.step; train s: time/train_seconds of the step.
 
     python benchmarks/mismatch.py --prompts 256        # the table in docs/numerics.md: ~3 min, most of it SFT
@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -55,8 +54,6 @@ from flashreinforce.algorithms.objectives import MiscOptions
 from flashreinforce.config import RunConfig, load_config
 from flashreinforce.envs.single_turn import TextEpisodes, to_trajectory
 from flashreinforce.metrics.console import Reporter
-from flashreinforce.models.logprobs import token_logprobs
-from flashreinforce.models.moe import RouteReplay
 from flashreinforce.rollout.engine import Engine
 from flashreinforce.run.data import Data, load_data
 from flashreinforce.run.engines import (
@@ -67,7 +64,6 @@ from flashreinforce.run.engines import (
 )
 from flashreinforce.run.learner import build_trainer
 from flashreinforce.run.policy import Policy, build_policy, seed_everything
-from flashreinforce.trainer.batching import collate
 from flashreinforce.trainer.trainer import Trainer
 from flashreinforce.types import Prompt, RolloutKey, Trajectory
 from flashreinforce.verifiers.math import math_reward
@@ -222,22 +218,16 @@ class Recompute:
     sequence_kl: torch.Tensor  # (B,) D_i of every row
 
 
-@torch.no_grad()
-def recompute(trainer: Trainer, trajectories: Sequence[Trajectory], config: RunConfig) -> Recompute:
-    """pi_old of every sampled token through the trainer's model, in the trainer's microbatches and routing.
+def recompute(trainer: Trainer, trajectories: Sequence[Trajectory]) -> Recompute:
+    """pi_old of every sampled token through the trainer's model, as the step's first forward reads it.
 
-    Trainer.step reports mean and max gaps but not per-token ratios, which MISC's token band needs; this
-    repeats its first forward (rows sorted by length, packed by microbatch_tokens, MoE routes replayed when
-    the trainer replays them) without a gradient.
+    Trainer.step reports mean and max gaps but not per-token ratios, which MISC's token band needs;
+    Trainer.first_forward repeats that forward (the step's microbatches, packed where the recipe packs, MoE routes
+    replayed when the trainer replays them) without a gradient.
     """
     low, high = MiscOptions().icepop_band
-    batch = collate(sorted(trajectories, key=lambda t: len(t.tokens)), trainer.pad_token_id)
     inside, gap, tokens, kl = 0, 0.0, 0, []
-    for _, micro in batch.microbatches(config.trainer.microbatch_size, config.trainer.microbatch_tokens):
-        replaying = trainer.router_replay and micro.routes is not None
-        with RouteReplay(trainer.model, micro.routes) if replaying else nullcontext():
-            logprobs, _ = token_logprobs(trainer.model, micro.input_ids, micro.attention_mask,
-                                         temperature=trainer.temperature, with_entropy=False)
+    for micro, logprobs in trainer.first_forward(trajectories):
         current = logprobs.masked_fill(~micro.loss_mask, 0.0)  # (b, T)
         kl.append(sequence_bernoulli_kl(micro.behavior_logprobs, current, micro.loss_mask.sum(-1)))
         log_rho = (logprobs - micro.behavior_logprobs)[micro.loss_mask]  # (policy tokens,)
@@ -259,7 +249,7 @@ def measure(settings: Settings, row: Row, warm: WarmStart, prompts: Sequence[Pro
     engine = build_local_engine(config, policy, shape)  # its own copy of the model, in rollout precision
     engine.load_weights(trainer.weights(), 0)  # what a run pushes: the trainer's formatted weights
     trajectories = sample(engine, episodes, prompts, config)
-    check = recompute(trainer, trajectories, config)
+    check = recompute(trainer, trajectories)
     metrics = trainer.step(trajectories)  # its metrics come from its first forward, on the pre-step weights
     stats = engine.stats
     return Measurement(

@@ -214,13 +214,8 @@ class Trainer:
         """Train on one learner batch (trainer.minibatches optimizer steps); returns flat metrics. Increments
         `version` once."""
         started = time.perf_counter()
-        # Rows sorted by length make each microbatch nearly pad-free (measured: 0.45 s -> 0.27 s per step on the
-        # default recipe) and let a token budget pack them. Normalization is global, so the order of rows
-        # changes nothing but float rounding.
-        # An agent episode of several segments trains each as a row (Trajectory.rows).
         rollouts = trajectories
-        trajectories = sorted((row for t in trajectories for row in t.rows()), key=lambda t: len(t.tokens))
-        batch = collate(trajectories, self.pad_token_id, self.task_temperatures).to(self.device)
+        trajectories, batch = self._collate(trajectories)
         splits = minibatch_rows(batch.group_ids, self.minibatches)
         parts = [self._own_microbatches(batch, rows) for rows in splits]
         targets = self._targets(batch, rollouts, trajectories, parts)  # on the whole batch, on every rank
@@ -248,6 +243,25 @@ class Trainer:
         metrics.update(_lag_metrics(batch, trained_at=self.version - 1))
         metrics.update(tally.mismatch.metrics(self._gate_delta()))
         return metrics
+
+    @torch.no_grad()
+    def first_forward(self, trajectories: Sequence[Trajectory]) -> list[tuple[TrainBatch, torch.Tensor]]:
+        """This rank's microbatches of `trajectories`, each with its per-token log-probs (rows x width), as a step's
+        first forward reads them (packed where the trainer packs, MoE routes replayed where it replays them), without
+        a gradient or a step: theta_old token by token, which a step's metrics only summarize (benchmarks/mismatch.py
+        reads it)."""
+        _, batch = self._collate(trajectories)
+        micros = self._own_microbatches(batch, torch.arange(batch.num_rows, device=self.device))
+        return [(micro, self._policy_forward(micro, None)[0]) for _, micro in micros]
+
+    def _collate(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], TrainBatch]:
+        """The rows of `trajectories` sorted by length, and their batch on the trainer's device.
+
+        Sorted rows make each microbatch nearly pad-free (measured: 0.45 s -> 0.27 s per step on the default recipe,
+        padded) and let a token budget pack them. Normalization is global, so the order of rows changes nothing but
+        float rounding. An agent episode of several segments trains each as a row (Trajectory.rows)."""
+        rows = sorted((row for t in trajectories for row in t.rows()), key=lambda t: len(t.tokens))
+        return rows, collate(rows, self.pad_token_id, self.task_temperatures).to(self.device)
 
     def _own_microbatches(self, batch: TrainBatch, rows: torch.Tensor) -> list[tuple[torch.Tensor, TrainBatch]]:
         """This rank's share of the rows (of one mini-batch) as microbatches, each with its rows' indices in

@@ -147,6 +147,24 @@ def test_low_precision_packed_is_the_padded_path_within_bf16_rounding(precision)
     assert got["mismatch/abs_logprob_diff"] == pytest.approx(expected["mismatch/abs_logprob_diff"], abs=2e-2)
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_first_forward_is_the_steps_own_forward_token_by_token(pack):
+    """Trainer.first_forward (what benchmarks/mismatch.py reads per token) repeats the step's first forward: its
+    microbatches, packed where the trainer packs, and their log-probs, whose mean gap to the behavior log-probs is
+    the step's own. (Where packed and padded forwards round apart, as in bf16 on an MoE model in the unified mode,
+    that benchmark's test catches a recompute through the other path.)"""
+    base = tiny(torch.float32)
+    batch = rows()  # made-up behavior log-probs: gaps far above rounding
+    built = trainer(copy.deepcopy(base), pack, numerics=Numerics("bf16"))
+    forwards = built.first_forward(batch)
+    assert {micro.packing is not None for micro, _ in forwards} == {pack}
+    assert sum(micro.num_rows for micro, _ in forwards) == len(batch)
+    gaps = [(logprobs - micro.behavior_logprobs)[micro.loss_mask].abs() for micro, logprobs in forwards]
+    recomputed = float(torch.cat(gaps).double().mean())
+    assert recomputed == pytest.approx(built.step(batch)["mismatch/same_weights_abs_mean"], rel=1e-6)
+    assert recomputed > 0.5
+
+
 @pytest.mark.lora
 def test_lora_adapters_train_packed_as_padded():
     base = tiny(torch.float32)
