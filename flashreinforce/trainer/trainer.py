@@ -249,7 +249,8 @@ class Trainer:
         """This rank's microbatches of `trajectories`, each with its per-token log-probs (rows x width), as a step's
         first forward reads them (packed where the trainer packs, MoE routes replayed where it replays them), without
         a gradient or a step: theta_old token by token, which a step's metrics only summarize (benchmarks/mismatch.py
-        reads it)."""
+        reads it). Not on sharded ranks, whose forwards are collectives that every rank's step enters alike."""
+        assert not self.sharded, "first_forward: a sharded trainer's forward is a collective across its ranks"
         _, batch = self._collate(trajectories)
         micros = self._own_microbatches(batch, torch.arange(batch.num_rows, device=self.device))
         return [(micro, self._policy_forward(micro, None)[0]) for _, micro in micros]
