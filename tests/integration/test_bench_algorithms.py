@@ -3,14 +3,13 @@ its JSON and its runs' configs. Two steps say nothing about which objective wins
 each arm trains what it says (its loss, prompts and rollouts a step), and the curves are read back from the runs."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from flashreinforce.models import store
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "algorithms.py"
 MODEL = "smollm2-135m-instruct"
@@ -25,9 +24,7 @@ def test_quick_run_trains_every_arm_as_named_and_reads_its_curve_back(tmp_path):
         pytest.skip(f"needs the converted model ({cached.path} {cached.problem}): run "
                     f"`flashreinforce models get {MODEL}`")
     out, report = tmp_path / "out", tmp_path / "algorithms.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--seeds", "0", "--out", str(out), "--json",
-                           str(report)], check=False, timeout=900, capture_output=True, text=True, cwd=SCRIPT.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(SCRIPT, "--quick", "--seeds", "0", "--out", out, "--json", report, timeout=900, cwd=SCRIPT.parent)
     runs = {run["arm"]: run for run in json.loads(report.read_text())["runs"]}
     assert set(runs) == {"fr", "grpo", "fr_half", "fr_filter"}
     per_step = {"fr": 4, "grpo": 4, "fr_half": 2, "fr_filter": 4}  # --quick's prompts x rollouts a step

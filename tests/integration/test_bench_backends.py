@@ -1,11 +1,10 @@
 """benchmarks/backends.py: the Ray and local backends side by side on a small default-recipe run."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.ray]  # long: out of CI's 45 minutes (-m long)
@@ -15,8 +14,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "backends.py"
 
 def test_the_backends_benchmark_times_both_backends(tmp_path):
     out = tmp_path / "bench"
-    subprocess.run([sys.executable, str(SCRIPT), "--steps", "4", "--out", str(out), "sft.steps=20",
-                    "eval.num_prompts=16", "eval.greedy=false", "scheduler.batch_groups=16"], check=True, timeout=600)
+    run_script(SCRIPT, "--steps", "4", "--out", out, "sft.steps=20", "eval.num_prompts=16", "eval.greedy=false",
+               "scheduler.batch_groups=16", timeout=600)
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["backend"] for r in runs] == ["local", "ray"]
     for run in runs:

@@ -1,13 +1,12 @@
 """benchmarks/code_verifier.py: a --quick run scores every honest row of each kind with 1 and 2 workers."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flashreinforce.sandbox import probe_isolation
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "code_verifier.py"
 
@@ -18,7 +17,7 @@ def test_a_quick_run_times_every_kind_of_row(tmp_path):
         pytest.skip("no sandbox works here (apt-get install bubblewrap)")
     report = tmp_path / "report.json"
     # exits non-zero when an honest response does not score 1
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(report)], check=True, timeout=300)
+    run_script(SCRIPT, "--quick", "--json", report, timeout=300)
     results = json.loads(report.read_text())["results"]
     assert {(r["kind"], r["workers"]) for r in results} == {(kind, workers) for kind in ("mbpp", "humaneval", "stdio")
                                                             for workers in (1, 2)}

@@ -9,11 +9,10 @@ and makes generate, which runs every row to the longest, pad most of its batch.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine.py"
 METHODS = ("generate", "engine", "bare")
@@ -22,9 +21,8 @@ METHODS = ("generate", "engine", "bare")
 @pytest.mark.slow
 def test_quick_run_samples_every_requested_token_with_each_method(tmp_path):
     json_path, png = tmp_path / "engine.json", tmp_path / "engine.png"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(json_path), "--png", str(png)],
-                          check=False, timeout=300, capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]  # a short engine run fails run_engine's assert
+    # a short engine run fails run_engine's assert
+    done = run_script(SCRIPT, "--quick", "--json", json_path, "--png", png, timeout=300, cwd=tmp_path)
     report = json.loads(json_path.read_text())
     workload, methods = report["workload"], report["methods"]
     assert (report["model"]["hidden"], report["model"]["layers"]) == (64, 2) and report["model"]["parameters"] > 0

@@ -2,11 +2,10 @@
 skips this module), checked through its printed table, JSON and PNG."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 pytest.importorskip("vllm")
 
@@ -20,9 +19,7 @@ def cells(line: str) -> list[str]:
 
 
 def test_quick_run_reports_both_engines_with_positive_numbers(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)], check=False,
-                          timeout=300, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(SCRIPT, "--quick", "--out", tmp_path, timeout=300)
     lines = done.stdout.splitlines()
     header = cells(next(line for line in lines if line.startswith("| engine |")))
     rows = {cells(line)[0]: cells(line) for line in lines if line.startswith(("| local |", "| vllm |"))}

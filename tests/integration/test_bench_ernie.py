@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ernie.py"
 
@@ -14,8 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ernie.py"
 @pytest.mark.slow
 def test_quick_run_measures_every_claim_from_one_warm_start(tmp_path):
     report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--json", str(report)],
-                          check=True, timeout=1200, capture_output=True, text=True)
+    done = run_script(SCRIPT, "--quick", "--out", tmp_path, "--json", report, timeout=1200)
     result = json.loads(report.read_text())
     names = {claim: [run["name"] for run in runs] for claim, runs in result["runs"].items()}
     assert names == {"schedulers": ["scheduler-sync", "scheduler-april", "scheduler-urb"],
@@ -55,8 +55,7 @@ def test_an_unknown_claim_is_named(tmp_path):
 @pytest.mark.long  # every claim over 3 seeds, about 1.5 hours on 2 cores: out of CI's 45 minutes (-m long runs it)
 def test_the_full_run_keeps_the_schedulers_invariants_and_measures_every_claim(tmp_path):
     report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--json", str(report)],
-                          check=True, timeout=4 * 3600, capture_output=True, text=True)
+    done = run_script(SCRIPT, "--out", tmp_path, "--json", report, timeout=4 * 3600)
     result = json.loads(report.read_text())
     rows = {line.split("|")[1].strip(): line for line in result["tables"]["schedulers"].splitlines()[2:]}
     # sync and urb train the data order exactly; APRIL trains what finished first, some of it off its step.

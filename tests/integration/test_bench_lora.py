@@ -10,11 +10,10 @@ the 4 more ranks' A and B, as many as the rank-4 LoRA of the steps part trains.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lora.py"
 FP32 = 4  # bytes
@@ -24,9 +23,7 @@ FP32 = 4  # bytes
 @pytest.mark.lora
 def test_quick_run_steps_full_and_lora_and_the_adapter_push_is_the_smaller(tmp_path):
     json_path = tmp_path / "lora.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(json_path)],
-                          check=False, timeout=300, capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(SCRIPT, "--quick", "--json", json_path, timeout=300, cwd=tmp_path)
     report = json.loads(json_path.read_text())
     settings = report["settings"]
     assert settings["quick"] and settings["r"] == 4 and settings["push_ranks"] == "4,8"  # the steps part's rank

@@ -10,14 +10,13 @@ token, and the filter keeps ceil(0.9 T_i) in exactly the failed half of the rows
 import importlib.util
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from flashreinforce import flashreinforce_loss
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "loss.py"
 QUICK_WIDTHS = (256, 1024)
@@ -53,9 +52,7 @@ def test_the_inputs_admit_every_row_and_the_filter_drops_tokens_of_failed_rows_o
 @pytest.mark.slow
 def test_quick_run_times_both_paths_for_every_width_and_dtype(tmp_path):
     json_path, png = tmp_path / "loss.json", tmp_path / "loss.png"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(json_path), "--png", str(png)],
-                          check=False, timeout=180, capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(SCRIPT, "--quick", "--json", json_path, "--png", png, timeout=180, cwd=tmp_path)
     report = json.loads(json_path.read_text())
     assert (report["batch"], report["repeats"], report["warmup"]) == (128, 5, 1)  # --quick: median of 5 after 1
     assert {"cores", "load_average", "torch_threads", "busy"} <= set(report["machine"])

@@ -8,11 +8,10 @@ flip reaches the worst token the two are equal (seed 1), otherwise replay's is l
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mismatch.py"
 MODELS = ("dense", "moe", "moe+replay")
@@ -25,9 +24,7 @@ EXPECTED_ROWS = {f"fp32 fp32 {model}" for model in MODELS} | {
 @pytest.mark.slow
 def test_quick_run_reports_every_row_and_the_orderings_that_hold_by_construction(tmp_path):
     json_path, png = tmp_path / "mismatch.json", tmp_path / "mismatch.png"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(json_path), "--png", str(png)],
-                          check=False, timeout=240, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(SCRIPT, "--quick", "--json", json_path, "--png", png, timeout=240)
     report = json.loads(json_path.read_text())
     rows = {row["name"]: row for row in report["rows"]}
     assert len(EXPECTED_ROWS) == 21 and len(report["rows"]) == 21 and set(rows) == EXPECTED_ROWS

@@ -2,11 +2,10 @@
 its JSON and the run it leaves (the figures of a quick run mean nothing; what is asserted holds by construction)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mopd.py"
 TASKS = ["sums", "tool", "follow", "most", "game"]
@@ -15,9 +14,7 @@ TASKS = ["sums", "tool", "follow", "most", "game"]
 @pytest.mark.slow
 def test_quick_run_distills_every_expert_and_compares_with_the_mixture(tmp_path):
     report_path = tmp_path / "mopd.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--json",
-                           str(report_path)], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(SCRIPT, "--quick", "--out", tmp_path, "--json", report_path, timeout=900)
     assert "| task | warm start | its expert |" in done.stdout
     report = json.loads(report_path.read_text())
     assert [row["task"] for row in report["tasks"]] == TASKS

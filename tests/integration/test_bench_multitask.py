@@ -10,13 +10,12 @@ mixture's.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flashreinforce.config import load_config
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "multitask.py"
 
@@ -24,9 +23,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "multitask.py"
 @pytest.mark.slow
 def test_quick_run_scores_each_task_in_the_mixture_and_alone_from_the_same_start(tmp_path):
     out, json_path = tmp_path / "out", tmp_path / "multitask.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--json", str(json_path)],
-                          check=False, timeout=300, capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(SCRIPT, "--quick", "--out", out, "--json", json_path, timeout=300, cwd=tmp_path)
     report = json.loads(json_path.read_text())
     assert report["budget"] == "rows" and {"cores", "load_average", "busy"} <= set(report["machine"])
     recipe = load_config("multitask")

@@ -2,19 +2,17 @@
 checked through its JSON and its runs; run again, it reads its finished runs back instead of training them again."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "opd_smollm2.py"
 
 
 def _run(out: Path, json_path: Path) -> dict:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--seeds", "0", "1", "--eval-every", "2",
-                           "--out", str(out), "--json", str(json_path)], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(SCRIPT, "--quick", "--seeds", "0", "1", "--eval-every", "2", "--out", out, "--json", json_path,
+                      timeout=900)
     assert "| method | step | held-out mean |" in done.stdout
     return json.loads(json_path.read_text())
 

@@ -2,13 +2,13 @@
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats  # in the test extra; the benchmark itself does without it
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "schedulers.py"
 
@@ -35,8 +35,7 @@ def test_ks_statistic_by_hand_and_against_scipy():
 
 def _run(out: Path, *args: str) -> dict:
     json_path = out / f"report{len(list(out.glob('report*.json')))}.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--json", str(json_path), *args],
-                   check=True, timeout=300)
+    run_script(SCRIPT, "--quick", "--out", out, "--json", json_path, *args, timeout=300)
     return json.loads(json_path.read_text())
 
 
@@ -85,10 +84,8 @@ def test_quick_run_reports_every_kind_and_urb_trains_exactly_its_data_group(tmp_
 def test_quick_agent_run_reports_env_busy_for_every_kind(tmp_path):
     """--workload agent: every rollout an episode of LatencyEnv steps; all four kinds finish their steps."""
     json_path = tmp_path / "agent.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--workload", "agent", "--max-lag", "1",
-                           "--out", str(tmp_path), "--json", str(json_path)],
-                          check=False, timeout=300, capture_output=True, text=True)  # stderr in the assert
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(SCRIPT, "--quick", "--workload", "agent", "--max-lag", "1", "--out", tmp_path, "--json",
+                      json_path, timeout=300)
     report = json.loads(json_path.read_text())
     steps, batch = report["settings"]["steps"], report["settings"]["batch"]
     assert set(report["kinds"]) == {"sync", "april", "urb lag<=1", "stream lag<=1"}

@@ -1,11 +1,10 @@
 """benchmarks/sharding.py: replicated and FSDP-sharded trainer ranks side by side on a small model."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 pytestmark = pytest.mark.slow
 
@@ -15,8 +14,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sharding.py"
 @pytest.mark.parametrize("lora", [0, pytest.param(4, marks=pytest.mark.long)])  # LoRA: out of CI's 45 minutes
 def test_the_sharding_benchmark_measures_both_and_they_take_the_same_steps(tmp_path, lora):
     out = tmp_path / "bench"
-    subprocess.run([sys.executable, str(SCRIPT), "--hidden", "64", "--layers", "2", "--vocab", "256", "--length",
-                    "32", "--steps", "2", "--lora", str(lora), "--out", str(out)], check=True, timeout=600)
+    run_script(SCRIPT, "--hidden", "64", "--layers", "2", "--vocab", "256", "--length", "32", "--steps", "2",
+               "--lora", lora, "--out", out, timeout=600)
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["sharding"] for r in runs] == ["replicate", "fsdp"]
     replicate, fsdp = runs

@@ -3,7 +3,6 @@ JSON and printed table. Timings on a shared machine say nothing about which arm 
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 
 from flashreinforce.models import token_logprobs
 from flashreinforce.models.cpu_attention import FP32_SDPA
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer_attention.py"
 
@@ -42,9 +42,7 @@ def test_the_arms_are_the_switched_trainer_and_plain_bf16_sdpa(monkeypatch):
 @pytest.mark.slow
 def test_quick_run_times_both_arms_of_both_models(tmp_path):
     json_path = tmp_path / "trainer_attention.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(json_path)], check=False, timeout=300,
-                          capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(SCRIPT, "--quick", "--json", json_path, timeout=300, cwd=tmp_path)
     report = json.loads(json_path.read_text())
     assert {"cores", "load_average", "torch_threads"} <= set(report["machine"])
     assert [r["model"] for r in report["results"]] == ["recipe", "smollm2"]
@@ -59,9 +57,7 @@ def test_quick_kernels_run_times_every_shape_and_names_what_the_trainer_runs(tmp
     from flashreinforce.models.cpu_attention import UPCAST_LIMIT
 
     json_path = tmp_path / "kernels.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--kernels", "--quick", "--json", str(json_path)], check=False,
-                          timeout=300, capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(SCRIPT, "--kernels", "--quick", "--json", json_path, timeout=300, cwd=tmp_path)
     results = json.loads(json_path.read_text())["results"]
     assert len(results) == 12
     for r in results:

@@ -1,11 +1,10 @@
 """benchmarks/vision.py: a --quick run of two seeds end to end, checked through its JSON and its table."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vision.py"
 
@@ -13,8 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vision.py"
 @pytest.mark.slow
 def test_quick_run_reports_each_seed_and_each_task(tmp_path):
     report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--seeds", "0", "1", "--out", str(tmp_path),
-                           "--json", str(report)], check=True, timeout=600, capture_output=True, text=True)
+    done = run_script(SCRIPT, "--quick", "--seeds", "0", "1", "--out", tmp_path, "--json", report, timeout=600)
     runs = json.loads(report.read_text())["runs"]
     assert [run["seed"] for run in runs] == [0, 1]
     for run in runs:

@@ -2,11 +2,11 @@
 the opt-in sync ablation's runs differ from the shipped recipe's in the scheduler alone."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_trl.py"
 
@@ -18,12 +18,8 @@ def test_quick_runs_every_method_from_one_warm_start(tmp_path):
     pytest.importorskip("trl", reason="vs-trl runs TRL's GRPOTrainer: pip install 'flashreinforce[trl]'")
     report_path, png = tmp_path / "vs_trl.json", tmp_path / "vs_trl.png"
     # Threshold 0 is reached by the evaluation before RL: the to-threshold path runs too.
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick", "--threshold", "0", "--out", str(tmp_path / "work"),
-         "--png", str(png), "--json", str(report_path)],
-        check=False, capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_script(BENCHMARK, "--quick", "--threshold", "0", "--out", tmp_path / "work", "--png", png, "--json",
+                      report_path, timeout=600)
     assert "| TRL GRPOTrainer" in done.stdout and png.stat().st_size > 0
     assert "goal (FlashREINFORCE >= 1.5x as fast as the strongest TRL method" in done.stdout
 

