@@ -11,12 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from flashreinforce.metrics.sink import read_metrics  # noqa: E402
+from flashreinforce.metrics.sink import read_metrics
 
 LINE_PLOTS = {
     "reward": (["reward/mean", "reward/accuracy"], "training reward"),
@@ -33,6 +28,17 @@ LINE_PLOTS = {
 }
 LOG_SCALE = frozenset({"mismatch", "sequence_kl"})
 """Plots whose series span orders of magnitude (1e-6 in fp32 next to 1e-1 in bf16)."""
+
+
+def _pyplot():
+    """pyplot on the file-only Agg backend, imported at a run's first plot: importing it costs about half a second,
+    which every process that imports the trainer (each rank, each test's subprocess) would pay at its start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _series(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
@@ -98,6 +104,7 @@ def _line_plot(rows: list[dict], names: list[str], title: str, path: Path, *, lo
     series = {name: _series(rows, name) for name in names}
     if not any(xs for xs, _ in series.values()):
         return f"skipped: no {' or '.join(names)} in metrics.jsonl"
+    plt = _pyplot()
     figure, axis = plt.subplots(figsize=(6, 3.5))
     for name, (xs, ys) in series.items():
         if xs:
@@ -131,6 +138,7 @@ def _lag_histogram(rows: list[dict], path: Path) -> str:
         return "skipped: no lag/tokens_at_* in metrics.jsonl"
     lags = sorted(counts)
     total = sum(counts.values())
+    plt = _pyplot()
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.bar(lags, [counts[lag] / total for lag in lags])
     axis.set_xticks(lags)
