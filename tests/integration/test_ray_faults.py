@@ -63,8 +63,9 @@ def _assert_exactly_once(run_dir: Path, steps: int) -> dict:
 
 @pytest.mark.parametrize("weight_sync", [
     # Two requests at a time an engine (the driver queues the rest): a step's generation lasts several rounds, so
-    # the kill, sent once the engine holds requests, lands before it has handed them all back (with all 8 at once
-    # it could finish them between the check and the kill, and the run then had nothing to requeue).
+    # the kill, sent once the engine holds requests, lands while it still holds some. With all 8 at once it once
+    # handed them back between the check and the kill, and the run had nothing to requeue. A narrower window, not
+    # none: the requeue's exact counts are tested deterministically in tests/unit/controller/test_ray_backend.py.
     ["rollout.max_batch_size=2"],
     # the weight group (gloo) from rank 0 of two FSDP ranks: every push gathers the shards, then broadcasts
     ["backend.weight_sync=broadcast", "trainer.world_size=2", "trainer.sharding=fsdp"],
