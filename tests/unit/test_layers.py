@@ -81,6 +81,13 @@ def test_light_imports_stay_light():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_trainer_imports_no_pyplot_until_a_plot():
+    """pyplot costs ~0.5 s to import, in every rank and run process; only drawing a plot may import matplotlib."""
+    code = ("import sys, flashreinforce.run.training, flashreinforce.run.stages, flashreinforce.cli; "
+            "assert 'matplotlib' not in sys.modules, 'matplotlib was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 CLI_MAY_IMPORT = ("flashreinforce.config", "flashreinforce.run", "flashreinforce.metrics.plots")
 
 

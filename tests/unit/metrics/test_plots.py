@@ -2,8 +2,6 @@
 several tasks or modalities, and a plot without its metric is skipped with the reason."""
 
 import json
-import subprocess
-import sys
 
 from flashreinforce.metrics.plots import plot_run
 
@@ -33,11 +31,3 @@ def test_a_one_modality_run_draws_no_modality_plots(tmp_path):
     plots = plot_run(tmp_path)
     assert not any(name.startswith("modality_") for name in plots)
     assert (tmp_path / "plots" / "reward.png").is_file()
-
-
-def test_importing_the_trainer_leaves_matplotlib_unimported_until_a_plot():
-    """pyplot costs ~0.5 s to import, in every rank and run process; only drawing a plot may import it."""
-    probe = ("import sys, flashreinforce.run.training, flashreinforce.run.stages, flashreinforce.cli; "
-             "print('matplotlib' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.strip() == "False", done.stdout + done.stderr
