@@ -51,8 +51,8 @@ from flashreinforce.types import SamplingParams
 
 # Run as a script, benchmarks/ is on sys.path already; imported by path (a test), it is not.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import workload  # noqa: E402  (benchmarks/engine.py: the same long-tailed lengths)
-from machine import Machine  # noqa: E402
+from engine import workload  # benchmarks/engine.py: the same long-tailed lengths
+from machine import Machine
 
 SHAPES = {"tiny": (128, 2, 2), "medium": (512, 8, 8)}
 """hidden, layers, heads: head size 64 in both."""

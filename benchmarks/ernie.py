@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -74,7 +75,7 @@ class Run:
         return [row.get(key, float("nan")) for row in self.rows]
 
     def mean(self, key: str, steps: slice = slice(None)) -> float:
-        values = [v for v in self.series(key)[steps] if v == v]
+        values = [v for v in self.series(key)[steps] if not math.isnan(v)]
         return statistics.fmean(values) if values else float("nan")
 
     def held_out(self, task: str) -> tuple[float, float]:
@@ -141,7 +142,7 @@ def seeded(bench: Bench, name: str, overrides: Sequence[str], **options: Any) ->
 
 def spread(values: Sequence[float], digits: int = 1, scale: float = 1.0, unit: str = "") -> str:
     """median [min, max] of the seeds' values, the unit after the median: "96.7% [95.9, 97.1]" ("-": none)."""
-    values = [scale * v for v in values if v == v]
+    values = [scale * v for v in values if not math.isnan(v)]
     if not values:
         return "-"
     text = f"{statistics.median(values):.{digits}f}{unit}"

@@ -5,7 +5,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["flashreinforce_loss", "__version__"]
+__all__ = ["__version__", "flashreinforce_loss"]
 
 
 def __getattr__(name: str):

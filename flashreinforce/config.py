@@ -1251,10 +1251,11 @@ def config_from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...
     for text in overrides:
         keys, value = parse_override(text)
         tasks = tree.get("tasks")
-        if len(keys) > 2 and keys[0] == "tasks" and isinstance(tasks, dict) and keys[1] not in tasks:
-            if hint := did_you_mean(keys[1], tasks):  # a misspelt task, not a new one given field by field
-                raise ValueError(f"override {text!r}: the recipe has no task {keys[1]!r}{hint}; its tasks: "
-                                 f"{', '.join(tasks)}")
+        # A misspelt task, not a new one given field by field:
+        if (len(keys) > 2 and keys[0] == "tasks" and isinstance(tasks, dict) and keys[1] not in tasks
+                and (hint := did_you_mean(keys[1], tasks))):
+            raise ValueError(f"override {text!r}: the recipe has no task {keys[1]!r}{hint}; its tasks: "
+                             f"{', '.join(tasks)}")
         _set_dotted(tree, keys, value)
     try:
         return RunConfig.model_validate(tree)

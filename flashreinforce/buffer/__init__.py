@@ -9,5 +9,5 @@ from flashreinforce.buffer.book import RolloutTask
 from flashreinforce.buffer.ledger import Ledger
 from flashreinforce.buffer.scheduler import SCHEDULERS, Scheduler, build_scheduler, scheduler_options
 
-__all__ = ["Ledger", "RolloutTask", "SCHEDULERS", "Scheduler", "build_scheduler", "mask_offpolicy_prefix",
+__all__ = ["SCHEDULERS", "Ledger", "RolloutTask", "Scheduler", "build_scheduler", "mask_offpolicy_prefix",
            "scheduler_options"]

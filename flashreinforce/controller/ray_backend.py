@@ -122,8 +122,8 @@ class _Engine:
     poll: asyncio.Task | None = None
     recovery: asyncio.Task | None = None
     """Set while the actor restarts and reloads the weights: it takes no work until then."""
-    stats: EngineStats = EngineStats()
-    carried: EngineStats = EngineStats()
+    stats: EngineStats = EngineStats()  # noqa: RUF009 - frozen: instances share it until they replace it
+    carried: EngineStats = EngineStats()  # noqa: RUF009
     """Counters of its earlier incarnations (a restart starts the engine's own from zero)."""
     version: int = 0
 

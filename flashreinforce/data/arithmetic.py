@@ -72,12 +72,12 @@ def operands(item: Prompt) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def make_item(a: int, b: int, id: str) -> Prompt:
+def make_item(a: int, b: int, prompt_id: str) -> Prompt:
     """One problem as a Prompt: difficulty = columns, ground truth = the sum, the correct think kept."""
     think, answer = solve(a, b)
     assert int(answer) == a + b, f"solve({a}, {b}) gave {answer}"
     return Prompt(
-        id=id,
+        id=prompt_id,
         prompt=f"{a}+{b}=",
         ground_truth=answer,
         data_source=DATA_SOURCE,

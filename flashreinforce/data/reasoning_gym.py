@@ -140,7 +140,7 @@ def generate(rg: ModuleType, spec: TaskSpec, *, seed: int, size: int, start: int
     return [dataset[i] for i in range(start, size)]
 
 
-def to_prompt(item: Mapping[str, Any], *, task: str, id: str, instruction: str) -> Prompt:
+def to_prompt(item: Mapping[str, Any], *, task: str, prompt_id: str, instruction: str) -> Prompt:
     """One reasoning-gym item as a chat Prompt (question + instruction), with its worked solution if any."""
     metadata = item.get("metadata") or {}
     think = metadata.get("answer_cot")
@@ -148,7 +148,7 @@ def to_prompt(item: Mapping[str, Any], *, task: str, id: str, instruction: str) 
     numeric = isinstance(difficulty, (int, float)) and not isinstance(difficulty, bool)
     content = f"{item['question'].rstrip()}\n\n{instruction}" if instruction else item["question"]
     return Prompt(
-        id=id,
+        id=prompt_id,
         prompt=({"role": "user", "content": content},),
         ground_truth=str(item["answer"]),
         data_source=task,
@@ -202,9 +202,9 @@ def task_splits(rg: ModuleType, spec: TaskSpec, *, num_train: int, num_eval: int
     eval_items = distinct(eval_draws)
     train_items, skipped = training_items(rg, spec, seed=train_seed, count=num_train,
                                           avoid={item["question"] for item in eval_items})
-    train = [to_prompt(item, task=spec.name, id=f"{spec.name}/train/{i:06d}", instruction=instruction)
+    train = [to_prompt(item, task=spec.name, prompt_id=f"{spec.name}/train/{i:06d}", instruction=instruction)
              for i, item in enumerate(train_items)]
-    held = [to_prompt(item, task=spec.name, id=f"{spec.name}/eval/{i:06d}", instruction=instruction)
+    held = [to_prompt(item, task=spec.name, prompt_id=f"{spec.name}/eval/{i:06d}", instruction=instruction)
             for i, item in enumerate(eval_items)]
     return ReasoningGymSplits(train, held, len(eval_draws) - len(eval_items), skipped)
 

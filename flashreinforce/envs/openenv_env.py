@@ -315,7 +315,7 @@ def start_server(app: str, timeout_s: float) -> LocalServer:
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    log = tempfile.TemporaryFile()
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - the server's output; LocalServer closes it when it stops
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     with listener:
         process = subprocess.Popen([sys.executable, "-m", __name__, app, str(listener.fileno()), str(os.getpid())],
@@ -336,9 +336,9 @@ def start_server(app: str, timeout_s: float) -> LocalServer:
 
 
 def _healthy(url: str) -> bool:
-    with contextlib.suppress(urllib.error.URLError, OSError):
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
+    health = f"{url}/health"
+    with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(health, timeout=2) as response:
+        return response.status == 200
     return False
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from flashreinforce.types import HACKING_SIGNS
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11; the project supports 3.10
 
 
 class TrainingProgress:
@@ -30,7 +33,7 @@ class TrainingProgress:
         )
         self._task = self._progress.add_task("RL", total=total, completed=completed, info="")
 
-    def __enter__(self) -> TrainingProgress:
+    def __enter__(self) -> Self:
         if self.live:
             self._progress.start()
         return self

@@ -51,8 +51,9 @@ class MetricsSink:
         if resume_step is not None:
             truncate_jsonl(self.metrics_path, resume_step)
             truncate_jsonl(self.samples_path, resume_step)
-        self._metrics = open(self.metrics_path, "a")
-        self._samples = open(self.samples_path, "a")
+        # Open for the run's life (appended to at every step), closed by close().
+        self._metrics = open(self.metrics_path, "a")  # noqa: SIM115
+        self._samples = open(self.samples_path, "a")  # noqa: SIM115
         self._tensorboard = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

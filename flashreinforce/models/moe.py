@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11; the project supports 3.10
 
 # Config fields that, when > 0, say a model has routed experts (Qwen/OLMoE, Mixtral, DeepSeek).
 MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")

@@ -177,7 +177,7 @@ class AsyncEngine:
                 continue
             try:
                 finished = self.engine.step()
-            except Exception as exc:  # a thread edge: every awaiting caller gets the failure
+            except Exception as exc:  # noqa: BLE001 - a thread edge: every awaiting caller gets the failure
                 self._failure = error = exc
                 break
             for generation in finished:
@@ -208,7 +208,7 @@ class AsyncEngine:
             command, args, reply = item
             try:
                 result = command(*args)
-            except Exception as exc:  # bad input from a caller: raise it in that caller
+            except Exception as exc:  # noqa: BLE001 - bad input from a caller: raise it in that caller
                 if reply is not None:
                     _reply(reply, error=exc)
             else:

@@ -19,7 +19,7 @@ _EXPORTS = {"EvalRequest": "evaluation", "evaluate_checkpoint": "evaluation", "r
             "sft_only": "sft"}
 """Imported on first use, so that `flashreinforce config` (run/config_reference.py) imports no torch."""
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["EvalRequest", "evaluate_checkpoint", "run_training", "sft_only"]  # _EXPORTS' names
 
 
 def __getattr__(name: str) -> Any:

@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from flashreinforce.sandbox.launch import (
     NOBODY,
@@ -39,6 +40,9 @@ from flashreinforce.sandbox.records import (
 )
 from flashreinforce.sandbox.syscalls import seccomp_program
 from flashreinforce.sandbox.worker import FRAME_BYTES, parse_frame, send_frame
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11; the project supports 3.10
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +319,7 @@ class Sandbox:
                 self._worker.close()
                 self._worker = None
 
-    def __enter__(self) -> Sandbox:  # noqa: PYI034 - typing.Self needs Python 3.11; we support 3.10
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

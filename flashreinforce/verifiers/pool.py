@@ -33,10 +33,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 from flashreinforce.lifetime import describe_exit, start_child
 from flashreinforce.types import Prompt, Verdict
 from flashreinforce.verifiers.rewards import resolve_reward_ref
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11; the project supports 3.10
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +220,7 @@ class VerifierPool:
                 os.close(self._wake_w)
                 self._wake_w = None
 
-    def __enter__(self) -> VerifierPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

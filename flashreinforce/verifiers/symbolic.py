@@ -52,7 +52,7 @@ def _value(expr: Any, values: dict) -> Any:
     """expr at a point to 30 digits (a sympy number, so 10^1000 does not overflow), or None if not finite."""
     try:
         value = expr.evalf(30, subs=values)
-    except Exception:  # see _parse: sympy's many exception types all mean "no value here"
+    except Exception:  # noqa: BLE001 - see _parse: sympy's many exception types all mean "no value here"
         return None
     return value if value.is_number and value.is_finite else None
 
@@ -83,7 +83,7 @@ def _parse(text: str) -> Any:
         if not isinstance(tree, sympy.Expr) or not _small(tree, sympy):
             return None
         expr = parser.parse_expr(text, **kwargs)
-    except Exception:
+    except Exception:  # noqa: BLE001 - not an expression we can compare (above)
         return None
     # Division by zero evaluates to zoo or nan, which would compare equal to any other undefined value.
     return None if expr.has(sympy.zoo, sympy.nan) else expr
@@ -95,10 +95,10 @@ def _small(tree: Any, sympy: Any) -> bool:
     if len(nodes) > MAX_NODES:
         return False
     for node in nodes:
-        if isinstance(node, sympy.Pow) and not node.exp.free_symbols:
-            # A float estimate is cheap even for a tower; `not <=` also refuses NaN.
-            if not abs(complex(node.exp.evalf(15))) <= MAX_EXPONENT:
-                return False
+        # A float estimate is cheap even for a tower; `not <=` also refuses NaN.
+        if (isinstance(node, sympy.Pow) and not node.exp.free_symbols
+                and not abs(complex(node.exp.evalf(15))) <= MAX_EXPONENT):
+            return False
     return True
 
 

@@ -68,9 +68,9 @@ def _score(conn: Connection, fn: RewardFn, rows: list[tuple[int, str, str, Promp
         return [to_verdict(value) for value in score_rows(fn, completions, ground_truths, prompts)]
     except MemoryError as e:
         _crash(conn, e)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the user's function failed: an error verdict, the pool goes on
         return [Verdict(reward=0.0, passed=False, reason=f"error: {describe_error(e)}")] * len(rows)
-    except BaseException as e:  # SystemExit, KeyboardInterrupt: the function asked to stop the process
+    except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt: the function asked to stop the process
         _crash(conn, e)
 
 

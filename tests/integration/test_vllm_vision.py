@@ -19,18 +19,18 @@ from PIL import Image
 
 pytest.importorskip("vllm")
 
-from conftest import build_chat_tokenizer  # noqa: E402
-from flashreinforce.config import load_config  # noqa: E402
-from flashreinforce.controller.episodes import opening_row  # noqa: E402
-from flashreinforce.models import token_logprobs  # noqa: E402
-from flashreinforce.models.hf_vision import HFVisionLM, image_processor_for  # noqa: E402
-from flashreinforce.models.image_tokens import expand_image_placeholders  # noqa: E402
-from flashreinforce.rollout.engine import append_forced_tokens  # noqa: E402
-from flashreinforce.rollout.vllm_engine import VllmEngine, collapse_image_placeholders  # noqa: E402
-from flashreinforce.run.engines import EngineShape, build_engine  # noqa: E402
-from flashreinforce.run.policy import load_policy  # noqa: E402
-from flashreinforce.types import Generation, SamplingParams  # noqa: E402
-from test_geo3k_layout import write_geo3k_parquet  # noqa: E402
+from conftest import build_chat_tokenizer
+from flashreinforce.config import load_config
+from flashreinforce.controller.episodes import opening_row
+from flashreinforce.models import token_logprobs
+from flashreinforce.models.hf_vision import HFVisionLM, image_processor_for
+from flashreinforce.models.image_tokens import expand_image_placeholders
+from flashreinforce.rollout.engine import append_forced_tokens
+from flashreinforce.rollout.vllm_engine import VllmEngine, collapse_image_placeholders
+from flashreinforce.run.engines import EngineShape, build_engine
+from flashreinforce.run.policy import load_policy
+from flashreinforce.types import Generation, SamplingParams
+from test_geo3k_layout import write_geo3k_parquet
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -171,9 +171,9 @@ def test_entropy_filter_uses_explicit_failures_not_the_advantage_sign():
 def test_entropy_filter_breaks_ties_toward_the_earlier_position():
     current = torch.full((1, 5), -1.0, requires_grad=True)
     entropies = torch.tensor([[1.0, 2.0, 2.0, 0.5, 2.0]])
-    loss, stats = flashreinforce_loss(current, current.detach(), torch.tensor([1.0]), torch.ones(1, 5, dtype=bool),
-                                      negative_token_fraction=0.4, failures=torch.tensor([True]),
-                                      entropies=entropies, reward_mean=0.0)
+    loss, _stats = flashreinforce_loss(current, current.detach(), torch.tensor([1.0]), torch.ones(1, 5, dtype=bool),
+                                       negative_token_fraction=0.4, failures=torch.tensor([True]),
+                                       entropies=entropies, reward_mean=0.0)
     loss.backward()
     # ceil(0.4 * 5) = 2 of the three tied 2.0s: positions 1 and 2, not 4
     assert current.grad[0].ne(0).tolist() == [False, True, True, False, False]

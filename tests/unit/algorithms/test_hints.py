@@ -1,6 +1,7 @@
 """AHRL hint schedule and hinted prompts (ALGORITHMS.md 1.4 properties 1, 2, 4; 3 is in test_objectives.py)."""
 
 import math
+from itertools import pairwise
 
 import pytest
 
@@ -14,7 +15,7 @@ def test_starts_at_p_initial_and_hand_value():
 
 def test_non_increasing_in_t_and_constant_without_pass_or_gamma():
     values = [hint_fraction(t, 0.3, p_initial=0.9, gamma=0.1) for t in range(50)]
-    assert all(a >= b for a, b in zip(values, values[1:])) and values[-1] < values[0]
+    assert all(a >= b for a, b in pairwise(values)) and values[-1] < values[0]
     assert {hint_fraction(t, 0.0, p_initial=0.9, gamma=0.1) for t in range(50)} == {0.9}
     assert {hint_fraction(t, 0.4, p_initial=0.9, gamma=0.0) for t in range(50)} == {0.9}
 

@@ -1,6 +1,7 @@
 """pass@k and avg@k (ALGORITHMS.md section 8)."""
 
 from fractions import Fraction
+from itertools import pairwise
 from math import comb
 
 import pytest
@@ -32,7 +33,7 @@ def test_matches_exact_binomial_and_is_non_decreasing_in_k():
             values = [pass_at_k(n, c, k) for k in range(1, n + 1)]
             for k, value in enumerate(values, start=1):
                 assert abs(value - exact(n, c, k)) < 1e-12, (n, c, k)
-            assert all(a <= b + 1e-15 for a, b in zip(values, values[1:]))
+            assert all(a <= b + 1e-15 for a, b in pairwise(values))
 
 
 def test_large_n_stays_accurate():

@@ -15,7 +15,7 @@ B, G = 4, 3
 def completion_order(trace) -> list[int]:
     """Groups in the order their last rollout finished."""
     left, order = {}, []
-    for key, trajectory in trace.finished.items():
+    for trajectory in trace.finished.values():
         left[trajectory.group] = left.get(trajectory.group, G) - 1
         if left[trajectory.group] == 0:
             order.append(trajectory.group)

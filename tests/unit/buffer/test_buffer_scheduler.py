@@ -34,7 +34,7 @@ def test_save_restore_midway_continues_exactly_like_the_uninterrupted_run(kind, 
         pause_at = random.Random(seed).randint(2, ticks - 1)  # anywhere strictly inside the run
         run["pause_at"] = pause_at
 
-        def rebuild(state):
+        def rebuild(state, config=config):
             scheduler = restorer(kind, **config)(state)
             assert scheduler.state_dict() == state  # nothing lost or invented by the round trip
             return scheduler
@@ -171,7 +171,7 @@ def test_a_groups_rollouts_share_the_version_its_first_one_was_admitted_at_even_
 
 def test_a_checkpoint_written_before_group_versions_and_skipped_groups_were_kept_still_restores():
     s = build("urb", batch_groups=2, group_size=2, buffer_size=2)
-    first, second, third = s.admit(free_slots=3, version=0)
+    _first, second, _third = s.admit(free_slots=3, version=0)
     s.on_aborted(second, partial(second, (0,)))
     state = pickle.loads(pickle.dumps(s.state_dict()))
     del state["skipped"]

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import string
 import textwrap
 
 import pytest
@@ -35,10 +36,10 @@ CONTEXT = 1024
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
                                            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
 
-AGENTS = textwrap.dedent('''
+AGENTS = string.Template(textwrap.dedent('''
     import asyncio, json
 
-    TOOLS = %s
+    TOOLS = $tools
 
     async def chat(client, row):
         """Three calls, each extending the last: a tool result, then a user turn, between them."""
@@ -76,7 +77,7 @@ AGENTS = textwrap.dedent('''
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
             return None
         return await chat(client, {**row, "ground_truth": ""})
-''' % json.dumps(TOOLS))
+''')).substitute(tools=json.dumps(TOOLS))
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +262,7 @@ def test_a_failing_agent_ends_only_its_episode_scored_zero_with_a_reason(word_mo
 
 def test_a_run_whose_every_agent_episode_fails_stops_saying_why(word_model, chat_tokenizer, agents_file, monkeypatch):
     """Rather than drop rollout after rollout forever (a bug in the agent, say)."""
-    import flashreinforce.controller.episodes as episodes
+    from flashreinforce.controller import episodes
 
     monkeypatch.setattr(episodes, "AGENT_FAILURES_IN_A_ROW", 4)
 

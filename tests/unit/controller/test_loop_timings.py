@@ -46,7 +46,7 @@ class TimedBackend(FinishedQueue):
         return [], done
 
     async def push_weights(self):
-        time.sleep(PUSH_SECONDS)
+        time.sleep(PUSH_SECONDS)  # noqa: ASYNC251 - a push that blocks the loop, as a real one does
         self.version = getattr(self, "version", 0) + 1
         return self.version
 

@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("ray")
 
-from flashreinforce.controller.ray_actors import EngineActor, Submission, TrainerActor  # noqa: E402
-from flashreinforce.models import build_model  # noqa: E402
-from flashreinforce.rollout import Engine  # noqa: E402
-from flashreinforce.types import SamplingParams  # noqa: E402
+from flashreinforce.controller.ray_actors import EngineActor, Submission, TrainerActor
+from flashreinforce.models import build_model
+from flashreinforce.rollout import Engine
+from flashreinforce.types import SamplingParams
 
 pytestmark = pytest.mark.ray
 

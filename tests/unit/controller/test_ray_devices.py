@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("ray")
 
-from flashreinforce.config import load_config  # noqa: E402
-from flashreinforce.controller.ray_cluster import resolve_devices  # noqa: E402
-from flashreinforce.run.backends import ray_settings  # noqa: E402
+from flashreinforce.config import load_config
+from flashreinforce.controller.ray_cluster import resolve_devices
+from flashreinforce.run.backends import ray_settings
 
 pytestmark = pytest.mark.ray
 

@@ -47,7 +47,7 @@ class Handle:
             raise ActorUnavailableError("connection reset", None)
         try:
             return await getattr(self._actor, method)(*args)
-        except Exception as error:  # noqa: BLE001 - what Ray does with an actor's exception
+        except Exception as error:  # what Ray does with an actor's exception
             raise RayTaskError(method, "", error) from error
 
 

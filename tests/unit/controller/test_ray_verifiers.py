@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("ray")
 
-from flashreinforce.controller import ray_verifiers  # noqa: E402
-from flashreinforce.controller.ray_cluster import RaySettings  # noqa: E402
-from flashreinforce.types import Verdict  # noqa: E402
+from flashreinforce.controller import ray_verifiers
+from flashreinforce.controller.ray_cluster import RaySettings
+from flashreinforce.types import Verdict
 
 pytestmark = pytest.mark.ray
 

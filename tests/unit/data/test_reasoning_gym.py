@@ -179,11 +179,11 @@ def test_items_map_to_chat_prompts(fake_rg):
 
 def test_to_prompt_fields():
     item = {"question": "Q?\n", "answer": 12, "metadata": {"difficulty": 1.0, "answer_cot": "a\n#### 12"}}
-    prompt = to_prompt(item, task="gsm_symbolic", id="x/0", instruction="Say it.")
+    prompt = to_prompt(item, task="gsm_symbolic", prompt_id="x/0", instruction="Say it.")
     assert prompt.prompt == ({"role": "user", "content": "Q?\n\nSay it."},)
     assert (prompt.ground_truth, prompt.reference_think, prompt.difficulty) == ("12", "a\n#### 12", 1.0)
-    assert to_prompt(item, task="t", id="x/1", instruction="").prompt[0]["content"] == "Q?\n"
-    bare = to_prompt({"question": "Q", "answer": "1", "metadata": {}}, task="t", id="x", instruction="")
+    assert to_prompt(item, task="t", prompt_id="x/1", instruction="").prompt[0]["content"] == "Q?\n"
+    bare = to_prompt({"question": "Q", "answer": "1", "metadata": {}}, task="t", prompt_id="x", instruction="")
     assert bare.reference_think is None
 
 

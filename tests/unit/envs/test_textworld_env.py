@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 
-textworld = pytest.importorskip("textworld")
-
 from flashreinforce.envs.protocol import EnvSpec, build_env
 from flashreinforce.envs.textworld_env import (
     ALFWORLD_TASK_MARKER,
@@ -21,6 +19,8 @@ from flashreinforce.envs.textworld_env import (
     split_task,
 )
 from flashreinforce.types import Prompt
+
+textworld = pytest.importorskip("textworld")
 
 # A two-receptacle ALFWorld problem in the downloaded data's format (object names as ALFRED mangles them).
 BOOK, BOX = "Book_bar__minus_01_dot_00_bar__plus_00_dot_50", "Box_bar__minus_02_dot_00_bar__plus_00_dot_50"

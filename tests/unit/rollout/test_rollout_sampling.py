@@ -33,7 +33,7 @@ def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
 def test_mix32_matches_the_reference_hash_without_int64_overflow():
     xs = [0, 1, 2, 12345, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, M32]
     assert mix32(torch.tensor(xs)).tolist() == [lowbias32(x) for x in xs]
-    assert len(set(stream_key(s) for s in range(1000))) == 1000
+    assert len({stream_key(s) for s in range(1000)}) == 1000
     assert 0 <= stream_key(2**64 - 1) <= M32
 
 

@@ -136,6 +136,6 @@ def test_train_help_lists_the_shipped_recipes(capsys):
 def test_config_answers_without_importing_torch():
     code = ("import sys\nfrom flashreinforce.cli import main\nmain(['config', 'trainer'])\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "trainer.lr:" in done.stdout

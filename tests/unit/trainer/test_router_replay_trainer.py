@@ -14,6 +14,7 @@ from flashreinforce.types import Prompt, RolloutKey, SamplingParams, Verdict
 
 OPTIMIZER = OptimizerSettings(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, total_steps=10,
                               min_lr_ratio=1.0, grad_clip=1.0)
+DEFAULT_NUMERICS = Numerics()
 
 
 def _moe():
@@ -39,7 +40,7 @@ def _trajectories(model, trainer_weights, rollout: Numerics, count: int = 24):
                           Verdict(reward=float(i % 2), passed=bool(i % 2))) for i, g in enumerate(finished)]
 
 
-def _step(model, rollout: Numerics, *, replay: bool, trainer_numerics: Numerics = Numerics()) -> dict[str, float]:
+def _step(model, rollout: Numerics, *, replay: bool, trainer_numerics: Numerics = DEFAULT_NUMERICS) -> dict[str, float]:
     trainer = Trainer(copy.deepcopy(model), loss="flashreinforce", loss_options={}, optimizer=OPTIMIZER,
                       microbatch_size=8, pad_token_id=0, temperature=1.0, max_new_tokens=40,
                       numerics=trainer_numerics, router_replay=replay)

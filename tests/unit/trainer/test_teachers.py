@@ -137,7 +137,7 @@ def _saved(tmp_path, name, alphabet, chat_template=None, extra=()):
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_when_it_loads(tmp_path):
-    student_dir, student = _saved(tmp_path, "student", "0123456789+=")
+    _student_dir, student = _saved(tmp_path, "student", "0123456789+=")
     same, _ = _saved(tmp_path, "same", "0123456789+=")
     assert vocabulary_problem(student, load_tokenizer(same)) is None
     model = load_teacher(TeacherConfig(path=str(same), precision="bf16"), student, field="teachers.all")

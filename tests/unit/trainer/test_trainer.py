@@ -1,6 +1,7 @@
 import copy
 import dataclasses
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert schedule[2] == pytest.approx(1.0)
     assert schedule[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert schedule[10] == pytest.approx(0.1) and schedule[11] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(schedule[1:], schedule[2:]))
+    assert all(a >= b for a, b in pairwise(schedule[1:]))
 
 
 def _on_policy_batch(model, rows, group_size):
@@ -268,7 +269,7 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]
     assert not list(tmp_path.glob("*.tmp*")), "the next save clears torn writes"
     assert latest_checkpoint(tmp_path).name == "step_000003"
-    trainer_state, controller_state, meta = load_states(tmp_path / "step_000003")
+    trainer_state, _controller_state, meta = load_states(tmp_path / "step_000003")
     assert trainer_state == {"version": 3} and meta["step"] == 3
     (tmp_path / "step_000003" / "trainer.pt").unlink()
     with pytest.raises(ValueError, match="incomplete"):

@@ -189,8 +189,8 @@ def _sections(rng: random.Random) -> Iterator[tuple[dict, str]]:
 
 def _json(rng: random.Random) -> Iterator[tuple[dict, str]]:
     word = rng.choice(WORDS)
-    for text in (f'{{"a": "{word}"}}', f'```json\n{{"a": 1}}\n```', f"```\n[1, 2]\n```", f'{{"a": {word}}}',
-                 f'Here: {{"a": 1}}', "```JSON\n3\n```", '{"a": 1}\n```'):
+    for text in (f'{{"a": "{word}"}}', '```json\n{"a": 1}\n```', "```\n[1, 2]\n```", f'{{"a": {word}}}',
+                 'Here: {"a": 1}', "```JSON\n3\n```", '{"a": 1}\n```'):
         yield {}, text
 
 

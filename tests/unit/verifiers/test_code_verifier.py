@@ -307,7 +307,7 @@ def test_a_loopback_listener_in_the_parent_is_unreachable(hostile):
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        verdict, results, _ = hostile(attacks.connect_loopback(port))
+        _verdict, results, _ = hostile(attacks.connect_loopback(port))
         listener.settimeout(0.1)
         with pytest.raises(TimeoutError):
             listener.accept()

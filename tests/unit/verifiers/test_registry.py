@@ -110,7 +110,7 @@ def test_a_sum_or_route_with_a_batchable_part_scores_a_batch_through_it_at_once(
     assert batchable_kind == [completions]  # the batchable part saw the four rows in one call
     assert [v.reward for v in verdicts] == [1.0 + 0.5 * len(c) if i == 0 else 0.5 * len(c)
                                             for i, c in enumerate(completions)]
-    assert [v.parts for v in verdicts][0] == (("math", 1.0), ("length", float(len(completions[0]))))
+    assert verdicts[0].parts == (("math", 1.0), ("length", float(len(completions[0]))))
 
     batchable_kind.clear()
     routed = build_verifier({"route": {"sums": "math", "text": {"kind": "length"}}})
