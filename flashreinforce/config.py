@@ -479,6 +479,12 @@ class RolloutConfig(_Section):
     vllm: VllmConfig = VllmConfig()
     """Options of rollout.engine=vllm (docs/vllm.md)."""
 
+    @field_validator("fused_decode", mode="before")
+    @classmethod
+    def _on_off_as_yaml_reads_them(cls, value: Any) -> Any:
+        """YAML reads a bare on and off (`rollout.fused_decode=off`, `fused_decode: on`) as true and false."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
 
 class SchedulerConfig(_Section):
     kind: Literal["stream", "sync", "april", "urb"] = "stream"

@@ -47,6 +47,14 @@ def test_overrides_reach_nested_fields():
     assert math.isinf(config.algo.options["delta"])
 
 
+@pytest.mark.parametrize(("written", "setting"), [("off", "off"), ("on", "on"), ("'off'", "off"), ("auto", "auto")])
+def test_a_bare_on_or_off_is_the_setting_though_yaml_reads_it_as_a_boolean(written, setting, tmp_path):
+    assert load_config("arithmetic", [f"rollout.fused_decode={written}"]).rollout.fused_decode == setting
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"inherit: arithmetic\nrollout: {{fused_decode: {written}}}\n")
+    assert load_config(str(recipe)).rollout.fused_decode == setting
+
+
 def test_a_numeric_override_key_indexes_a_list_and_a_bad_index_names_the_range():
     config = load_config("ernie", ["stages.1.steps=7", "stages.3.scheduler.batch_groups=6"])
     assert config.stages[1].steps == 7 and config.stages[3].scheduler["batch_groups"] == 6
