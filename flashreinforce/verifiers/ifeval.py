@@ -107,13 +107,20 @@ _DOTTED = re.compile(r"[^\W\d_](?:\.[^\W\d_])+")  # "U.S", "J.K", "D.C" (their f
 _CLOSING = re.compile(r"[\"')\]}\u2018\u2019\u201c\u201d\xab\xbb]+(?:\s+|(?=--)|$)", re.MULTILINE)
 # Abbreviations after which a period does not end the sentence (unless a sentence word follows). Not "e.g.",
 # "i.e.", "etc." nor "P.S.": IFEval's Punkt model ends a sentence after those, and so do we.
-_ABBREVIATIONS = frozenset(["mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "rep", "reps", "sen", "gen", "col", "lt", "maj", "adm", "gov", "messrs", "inc", "ltd", "co", "corp", "cos", "bros", "vs", "v", "ave", "ft", "yr", "jan", "feb", "aug", "sep", "sept", "oct", "nov", "dec", "wed", "fri", "tues", "calif", "fla", "mich", "minn", "conn"])
+_ABBREVIATIONS = frozenset("""
+    mr mrs ms dr prof st jr sr rep reps sen gen col lt maj adm gov messrs inc ltd co corp cos bros vs v ave ft
+    yr jan feb aug sep sept oct nov dec wed fri tues calif fla mich minn conn
+""".split())
 _NOT_ABBREVIATIONS = frozenset({"e.g", "i.e", "p.s", "p.p.s"})
 # Single letters that Punkt's English model knows as abbreviations ("c. 1900", "p. 12"): never a sentence's end.
 _LETTER_ABBREVIATIONS = frozenset("cdefghklmnprstvw")
 # Capitalized, these begin a sentence after an abbreviation or an ellipsis ("at 5 p.m. The talk began": two
 # sentences); other capitalized words ("Dr. Smith", "5 p.m. We") do not.
-_STARTERS = frozenset(["the", "this", "these", "there", "thus", "therefore", "however", "but", "so", "yet", "in", "if", "when", "while", "since", "although", "though", "even", "it", "he", "they", "i", "your", "her", "some", "many", "most", "both", "finally", "here", "which", "please", "note", "overall", "instead", "moreover", "furthermore", "meanwhile", "still", "indeed", "nevertheless", "similarly", "sometimes", "such"])
+_STARTERS = frozenset("""
+    the this these there thus therefore however but so yet in if when while since although though even it he
+    they i your her some many most both finally here which please note overall instead moreover furthermore
+    meanwhile still indeed nevertheless similarly sometimes such
+""".split())
 
 
 def count_sentences(text: str) -> int:

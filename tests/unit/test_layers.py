@@ -81,6 +81,13 @@ def test_light_imports_stay_light():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_run_layers_lazy_exports_are_its_all():
+    """run/__init__.py names its exports twice: in __all__ (read by tools) and in the lazy-import table."""
+    from flashreinforce import run
+
+    assert sorted(run.__all__) == sorted(run._EXPORTS)
+
+
 def test_the_trainer_imports_no_pyplot_until_a_plot():
     """pyplot costs ~0.5 s to import, in every rank and run process; only drawing a plot may import matplotlib."""
     code = ("import sys, flashreinforce.run.training, flashreinforce.run.stages, flashreinforce.cli; "
